@@ -1,1 +1,58 @@
+"""Triton kernels of deepinfer (paged attention, KV store, cache/state copies).
 
+``kernels.reference`` holds plain-torch versions with the same signatures. Without CUDA
+the Triton kernels can only run through the interpreter, so ``TRITON_INTERPRET=1`` is set
+here (unless already set) before any kernel module is imported: Triton reads it when a
+kernel is decorated. Importing this package never fails for lack of Triton; calling an op
+then raises a RuntimeError saying so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "clone_blocks",
+    "zero_states",
+    "clone_states",
+]
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised only where triton is absent
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+if _IMPORT_ERROR is None:
+    from kernels.cache_ops import clone_blocks, clone_states, zero_states
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.prefill_attention import paged_prefill_attention
+    from kernels.store_kv import store_kv
+else:  # pragma: no cover
+
+    def _missing(name: str) -> Any:
+        def op(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"kernels.{name} needs Triton, which could not be imported "
+                f"({_IMPORT_ERROR}); install triton or use kernels.reference"
+            )
+
+        op.__name__ = name
+        return op
+
+    store_kv = _missing("store_kv")
+    paged_decode_attention = _missing("paged_decode_attention")
+    paged_prefill_attention = _missing("paged_prefill_attention")
+    clone_blocks = _missing("clone_blocks")
+    zero_states = _missing("zero_states")
+    clone_states = _missing("clone_states")

@@ -1,0 +1,248 @@
+"""Paged decode attention: one new query per sequence against its cached keys.
+
+Decode is memory-bound, so the kernel is organised around reading each K/V byte once:
+one program per (sequence, kv head[, KV split]) loads the whole GQA group of query heads
+as the M side of a ``tl.dot`` (``[GROUP_PAD, D] x [D, BLOCK_N]``). When
+``batch * kv_heads`` cannot fill the GPU, the key range is split (flash-decoding) and a
+second small kernel merges the partial results by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.runtime import capability, dot_flags, interpreting, next_pow2, num_sms, pad_dim
+from kernels.tl_helpers import mma
+from kernels.validation import check_attention_common, check_optional_int, check_out, check_scale
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    qk_scale, split_len,
+    stride_qb, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_btb,
+    stride_ob, stride_oh,
+    stride_pb, stride_ps, stride_ph,  # partials [B, S, Hq, D_PAD]
+    stride_lb, stride_ls,  # lse [B, S, Hq], log2 domain
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    if SPLIT:
+        start = s * split_len
+        end = tl.minimum(seq_len, start + split_len)
+        # The last split runs to the true end, so a too-small max_seq_len hint costs speed,
+        # never correctness.
+        if s == tl.num_programs(2) - 1:
+            end = seq_len
+    else:
+        start = 0
+        end = seq_len
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = kvh * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        # Per-token address through the block table: works for any block size vs BLOCK_N
+        # (each token row of one head is HEAD_DIM contiguous elements).
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        scores = mma(q, tl.trans(k), tl.zeros([GROUP_PAD, BLOCK_N], tl.float32),
+                     PRECISION, UPCAST) * qk_scale
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+        m_i = m_new
+
+    # Empty ranges (a split past the end, or seq_len == 0) leave l_i == 0: emit zeros and
+    # lse = -inf so the merge gives them weight 0.
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        base = b.to(tl.int64) * stride_pb + s * stride_ps
+        tl.store(part_ptr + base + heads[:, None] * stride_ph + d[None, :], o,
+                 mask=g_ok[:, None] & (d < D_PAD)[None, :])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + s * stride_ls + heads, lse, mask=g_ok)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    num_splits,
+    stride_pb, stride_ps, stride_ph,
+    stride_lb, stride_ls,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + s * stride_ls + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): avoid inf - inf
+    w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+    part = tl.load(part_ptr + b.to(tl.int64) * stride_pb + s[:, None] * stride_ps
+                   + h * stride_ph + d[None, :], mask=s_ok[:, None], other=0.0)
+    w_sum = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _decode_config(head_dim_pad: int, elem_bytes: int, device: torch.device) -> dict[str, int]:
+    """Tile size and launch parameters (deterministic; sized by hand for H100/H200).
+
+    Decode streams K/V once, so the goal is enough bytes in flight per SM: 64 keys of
+    256-byte rows per step, pipelined 3 deep, while the K+V stages stay within ~100 KB of
+    shared memory (fp32 or 256-wide heads get narrower tiles).
+    """
+    if interpreting():
+        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
+    row_bytes = head_dim_pad * elem_bytes
+    block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    stage_bytes = 2 * block_n * row_bytes  # one K tile + one V tile
+    stages = 3 if capability(device)[0] >= 8 and 3 * stage_bytes <= 100_000 else 2
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, bound: int, block_n: int,
+                      device: torch.device) -> int:
+    """How many KV splits to use so that ``batch * kv_heads * splits`` fills the GPU.
+
+    No splitting once the unsplit grid already covers every SM; otherwise aim for about two
+    programs per SM, with at least four key tiles per split so the merge stays cheap.
+    """
+    programs = batch * num_kv_heads
+    sms = num_sms(device)
+    if programs >= sms or bound <= 0:
+        return 1
+    by_length = max(1, bound // (4 * block_n))
+    return max(1, min(math.ceil(2 * sms / programs), by_length, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence attends to its ``seq_lens[b]`` cached keys (paged cache).
+
+    q: ``[B, Hq, D]`` fp32/fp16/bf16 (unit last stride); k_cache, v_cache:
+    ``[num_blocks, block_size, Hkv, D]`` same dtype as q, contiguous; block_tables:
+    ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32. q head h reads kv head
+    ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` (``out`` when given, else q's dtype).
+
+    ``num_splits`` forces the number of KV splits (1 = unsplit); by default it is chosen
+    from the GPU's SM count. ``max_seq_len`` is an optional host-int upper bound on
+    ``seq_lens`` used to size the splits (default: ``max_blocks * block_size``); seq_lens
+    itself is never read on the host.
+    """
+    q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
+        q, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    sm_scale = check_scale(scale, head_dim)
+    forced = check_optional_int("num_splits", num_splits, 1)
+    hint = check_optional_int("max_seq_len", max_seq_len, 0)
+    out = torch.empty_like(q) if out is None else check_out(out, q)
+    if batch == 0 or num_q_heads == 0:
+        return out
+
+    capacity = block_tables.shape[1] * block_size
+    bound = capacity if hint is None else min(hint, capacity)
+    group = num_q_heads // num_kv_heads
+    d_pad = pad_dim(head_dim)
+    cfg = _decode_config(d_pad, q.element_size(), q.device)
+    block_n = cfg["BLOCK_N"]
+    splits = forced if forced is not None else choose_num_splits(
+        batch, num_kv_heads, bound, block_n, q.device)
+    split_len = max(block_n, triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n)
+    precision, upcast = dot_flags(q.dtype)
+    common = dict(
+        GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if splits == 1:
+        _decode_kernel[(batch, num_kv_heads, 1)](
+            q, k_cache, v_cache, block_tables, seq_lens,
+            out, out, out,
+            sm_scale * LOG2E, split_len,
+            q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            0, 0, 0, 0, 0,
+            SPLIT=False, **common,
+        )
+        return out
+
+    part = torch.empty((batch, splits, num_q_heads, d_pad), dtype=torch.float32,
+                       device=q.device)
+    lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part, lse,
+        sm_scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        SPLIT=True, **common,
+    )
+    _merge_kernel[(batch, num_q_heads)](
+        part, lse, out, splits,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(splits),
+        num_warps=4 if not interpreting() else 1,
+    )
+    return out

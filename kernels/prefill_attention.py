@@ -1,0 +1,204 @@
+"""Paged prefill attention: causal FlashAttention-2 style tiles over a paged KV cache.
+
+Each program owns BLOCK_M consecutive new queries of one sequence and one query head and
+walks the keys 0..(its last query position) in BLOCK_N tiles read through the block table,
+with fp32 accumulators and an online softmax in the exp2 domain. Key tiles that every query
+of the tile can see run without a mask; only the tiles crossing the causal diagonal pay
+for it, and tiles past the diagonal are never visited.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.runtime import capability, dot_flags, interpreting, pad_dim
+from kernels.tl_helpers import mma
+from kernels.validation import (
+    check_attention_common,
+    check_optional_int,
+    check_out,
+    check_scale,
+    check_tensor,
+    fail,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos,
+    kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
+    lo, hi, seq_len, qk_scale,
+    stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Fold key tiles [lo, hi) into the running (acc, l, m); CAUSAL adds the diagonal mask."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        if CAUSAL:
+            n_ok = n < seq_len
+            blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+        else:
+            # Every key of an unmasked tile is < seq_len by construction of lo/hi.
+            blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                PRECISION, UPCAST) * qk_scale
+        if CAUSAL:
+            visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; use 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_btb,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    m_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    m0 = m_tile * BLOCK_M
+    if m0 < q_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        prefix = seq_len - q_len
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < q_len
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        tok = (q_start + m).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = prefix + m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        head_off = (h // GROUP) * stride_ch
+
+        # Keys [0, full_end) are visible to every query of the tile: no mask needed.
+        full_end = ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N
+        # Keys past the tile's last query (or the sequence) are never visited.
+        diag_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
+            0, full_end, seq_len, qk_scale, stride_cb, stride_cs,
+            BLOCK_SIZE, BLOCK_M, BLOCK_N, False, PRECISION, UPCAST)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
+            full_end, diag_end, seq_len, qk_scale, stride_cb, stride_cs,
+            BLOCK_SIZE, BLOCK_M, BLOCK_N, True, PRECISION, UPCAST)
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _prefill_config(head_dim_pad: int, elem_bytes: int, device: torch.device
+                    ) -> dict[str, int]:
+    """Tile sizes and launch parameters (deterministic).
+
+    Compiled, 16-bit: 128x64 tiles (the FlashAttention-2 sweet spot for d<=128 on
+    Ampere/Hopper), 8 warps for d=128, 64x32 for 256-wide heads so Q, the pipelined K/V
+    stages and the accumulator fit. fp32 (tests, rarely served) halves the tiles: its rows
+    are twice as wide in shared memory. Interpreter: small tiles, because the tests want
+    several tiles per sequence and its cost grows with the number of tile steps.
+    """
+    if interpreting():
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 1, "num_stages": 1}
+    major = capability(device)[0]
+    stages = 3 if major >= 8 else 2
+    row_bytes = head_dim_pad * elem_bytes
+    if row_bytes <= 128:  # d<=64 16-bit
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": stages}
+    if row_bytes <= 256:  # d=128 16-bit, d<=64 fp32
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": stages}
+    if row_bytes <= 512:  # d=256 16-bit, d=128 fp32
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over cached prefix + themselves.
+
+    q: ``[T, Hq, D]`` packed new tokens (fp32/fp16/bf16, unit last stride); k_cache,
+    v_cache: ``[num_blocks, block_size, Hkv, D]`` same dtype, contiguous, already holding
+    this step's K/V (store_kv first); block_tables: ``[B, max_blocks]`` int32;
+    query_start_loc: ``[B+1]`` int32 offsets into q; seq_lens: ``[B]`` int32, cached prefix
+    plus new tokens. The i-th new query of sequence b sits at position
+    ``seq_lens[b] - q_len_b + i`` and sees keys ``0..position``. Returns ``[T, Hq, D]``.
+
+    ``max_query_len`` is an optional host-int bound on the per-sequence query counts that
+    sizes the grid (default T; extra programs exit at once).
+    """
+    q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
+        q, k_cache, v_cache, block_tables, seq_lens)
+    qsl = check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
+                       device=q.device, contiguous=True)
+    batch = seq_lens.shape[0]
+    if qsl.shape[0] != batch + 1:
+        fail("query_start_loc", f"shape ({batch + 1},) (num sequences + 1)", tuple(qsl.shape))
+    num_tokens, num_q_heads, head_dim = q.shape
+    sm_scale = check_scale(scale, head_dim)
+    hint = check_optional_int("max_query_len", max_query_len, 0)
+    out = torch.empty_like(q) if out is None else check_out(out, q)
+    if num_tokens == 0 or batch == 0 or num_q_heads == 0:
+        return out
+
+    max_q = num_tokens if hint is None else min(hint, num_tokens)
+    if max_q == 0:
+        return out
+    d_pad = pad_dim(head_dim)
+    cfg = _prefill_config(d_pad, q.element_size(), q.device)
+    precision, upcast = dot_flags(q.dtype)
+    grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, qsl, seq_lens, out,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

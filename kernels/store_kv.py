@@ -1,0 +1,94 @@
+"""Scatter this step's K/V into the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.runtime import interpreting, next_pow2
+from kernels.validation import (
+    FLOAT_DTYPES,
+    check_kv_caches,
+    check_runnable_device,
+    check_shape,
+    check_tensor,
+)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    num_tokens, num_slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    # One program moves BLOCK_T tokens x (all kv heads * head_dim) elements; the flattened
+    # (head, dim) axis is one vector so small heads still give full-width accesses.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_HD)
+    h = j // HEAD_DIM
+    d = j % HEAD_DIM
+    t_ok = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=-1)
+    # Negative slots are padding; out-of-range slots are dropped rather than written
+    # out of bounds (the host cannot check them without a sync).
+    keep = t_ok & (slot >= 0) & (slot < num_slots)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    mask = keep[:, None] & (j < NUM_HEADS * HEAD_DIM)[None, :]
+    t64 = t.to(tl.int64)
+    src_k = k_ptr + t64[:, None] * stride_kt + (h * stride_kh + d)[None, :]
+    src_v = v_ptr + t64[:, None] * stride_vt + (h * stride_vh + d)[None, :]
+    dst = (blk * stride_cb + off * stride_cs)[:, None] + (h * stride_ch + d)[None, :]
+    kv = tl.load(src_k, mask=mask)
+    tl.store(kc_ptr + dst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+    vv = tl.load(src_v, mask=mask)
+    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's K/V at cache slot ``slot_mapping[t]`` (``block * block_size + offset``).
+
+    k, v: ``[T, Hkv, D]`` float (any of fp32/fp16/bf16; cast to the cache dtype), unit
+    stride in the last dim. k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``,
+    contiguous. slot_mapping: ``[T]`` int64; a negative slot is skipped (padding).
+    """
+    kt = check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_runnable_device("k", kt)
+    vt = check_tensor("v", v, ndim=3, dtypes=FLOAT_DTYPES, device=device,
+                      last_dim_contiguous=True)
+    check_shape("v", vt, kt.shape)
+    kc, vc = check_kv_caches(k_cache, v_cache, device)
+    if tuple(kc.shape[2:]) != tuple(kt.shape[1:]):
+        raise ValueError(
+            f"k_cache: expected [num_blocks, block_size, {kt.shape[1]}, {kt.shape[2]}] to match"
+            f" k's heads and head_dim, got shape {tuple(kc.shape)}"
+        )
+    sm = check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,),
+                      device=device, contiguous=True)
+    check_shape("slot_mapping", sm, (kt.shape[0],))
+    num_tokens, num_heads, head_dim = kt.shape
+    if num_tokens == 0 or kc.numel() == 0:
+        return
+    block_hd = next_pow2(num_heads * head_dim)
+    # ~4K elements per program on GPU; the interpreter prefers fewer, larger programs.
+    block_t = max(1, min(next_pow2(num_tokens), (16384 if interpreting() else 4096) // block_hd))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _store_kv_kernel[grid](
+        kt, vt, kc, vc, sm,
+        num_tokens, kc.shape[0] * kc.shape[1],
+        kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        BLOCK_SIZE=kc.shape[1], HEAD_DIM=head_dim, NUM_HEADS=num_heads,
+        BLOCK_T=block_t, BLOCK_HD=block_hd,
+        num_warps=4,
+    )

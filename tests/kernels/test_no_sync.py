@@ -1,0 +1,69 @@
+"""No op reads device data on the host (no .item()/.tolist()/.cpu() syncs)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import kernels
+from tests.kernels.helpers import DEVICE, generator, make_paged_kv, randn
+
+
+def _calls():
+    g = generator(31)
+    kv = make_paged_kv([20, 3], 16, 2, 64, torch.float32, g)
+    q = randn((2, 4, 64), torch.float32, g)
+    qp = randn((5, 4, 64), torch.float32, g)
+    qsl = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEVICE)
+    k = randn((5, 2, 64), torch.float32, g)
+    slots = torch.tensor([0, 1, 2, -1, 40], device=DEVICE)
+    cache = randn((2, 2, 8, 16, 2, 64), torch.float32, g)
+    pairs = torch.tensor([[0, 5], [1, 6]], device=DEVICE)
+    states = [randn((4, 3), torch.float32, g)]
+    return [
+        lambda: kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
+        lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                               kv.seq_lens),
+        lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                               kv.seq_lens, num_splits=2),
+        lambda: kernels.paged_prefill_attention(qp, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                qsl, kv.seq_lens),
+        lambda: kernels.clone_blocks(cache, pairs),
+        lambda: kernels.zero_states(states, pairs[:, 0]),
+        lambda: kernels.clone_states(states, torch.tensor([[1, 2]], device=DEVICE)),
+    ]
+
+
+@contextlib.contextmanager
+def _forbid_host_reads(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("host read of device data inside a kernel op")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist"):
+            m.setattr(torch.Tensor, name, boom)
+        yield
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CUDA uses sync debug mode below")
+def test_no_host_reads_cpu(monkeypatch):
+    calls = _calls()
+    with _forbid_host_reads(monkeypatch):
+        for call in calls:
+            call()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+def test_no_sync_cuda():
+    calls = _calls()
+    for call in calls:  # compile first: the JIT may legitimately sync
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls:
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
