@@ -1,0 +1,111 @@
+"""Incremental detokenization with stop strings.
+
+Decoding the whole output at every step is quadratic, and decoding one token at a time
+is wrong: byte-level BPE (GPT-2, SmolLM2) splits a multi-byte character over several
+tokens, and sentencepiece decoders drop the leading space of a window's first token.
+So, like vLLM, decode a small sliding window twice: ``ids[prefix:read]`` (text already
+emitted) and ``ids[prefix:]``; the new text is the difference. The window starts a few
+tokens back in the prompt so the first output token sees its left context. While the
+decoded text ends in U+FFFD (an incomplete UTF-8 sequence), nothing is emitted and the
+window does not move, so a character is emitted whole once its last byte arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Prompt tokens of left context in the first window (enough for any merge/space rule).
+_PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output token ids into text, one token at a time.
+
+    ``tokenizer``: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=...)``).
+    ``stop``: strings that end the output; the text is cut right before the first one.
+
+    After each ``add``: ``text`` is the full output text so far (trimmed at a stop
+    string once ``stopped``); ``add`` returns the newly *final* text, which holds back a
+    tail that may still grow into a stop string (for streaming).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or ()) if s]
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # Window over `_ids` (the prompt's tail, then the output): [prefix, read) is
+        # already in `text`, [read, end) is pending.
+        self._ids: list[int] = context
+        self._prefix = 0
+        self._read = len(context)
+        self._prefix_text = self._decode(self._ids)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that matched
+        self._emitted = 0  # len of the text returned by add() so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def add(self, token_id: int) -> str:
+        """Append one output token; returns the text that became final with it."""
+        if self.stopped:
+            return ""
+        self.token_ids.append(int(token_id))
+        self._ids.append(int(token_id))
+        full = self._decode(self._ids[self._prefix:])
+        if full.endswith(_REPLACEMENT) or len(full) <= len(self._prefix_text):
+            # Incomplete character (or a token that adds no text, e.g. a skipped
+            # special token): wait for more tokens, keep the window.
+            return ""
+        old_len = len(self.text)
+        self.text += full[len(self._prefix_text):]
+        self._prefix = self._read
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        if self.stop:
+            self._check_stop(old_len)
+        return self._flush()
+
+    def _check_stop(self, old_len: int) -> None:
+        # A stop string can end in the new text and start in older text.
+        start = max(0, old_len - self._max_stop + 1)
+        best = -1
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best, self.stop_reason = i, s
+        if best != -1:
+            self.text = self.text[:best]
+            self.stopped = True
+
+    def _flush(self) -> str:
+        end = len(self.text)
+        if not self.stopped:
+            end -= self._partial_stop_len()
+        if end <= self._emitted:
+            return ""
+        new = self.text[self._emitted:end]
+        self._emitted = end
+        return new
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,235 @@
+"""``deepinfer-generate``: offline batch generation from a .txt or .jsonl file.
+
+Input: ``.txt`` (one prompt per line) or ``.jsonl`` (objects with optional ``id``,
+``prompt`` or ``messages``, and optional sampling overrides, top level or under
+``sampling_params``). Output: ``.jsonl``, one record per input with ``id`` and either
+``outputs`` or ``error``, appended as requests finish. Rerunning with the same output
+file resumes: ids already there are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
+
+from deepinfer.engine_args import EngineArgs
+from deepinfer.sampling_params import SamplingParams
+
+_SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass
+class InputRecord:
+    """One input line, parsed; ``error`` set when the line itself is bad."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    overrides: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def read_inputs(path: str) -> Iterator[InputRecord]:
+    """Yield one record per non-empty line; the default id is the 1-based line number."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input {path!r}: no such file")
+    is_jsonl = path.endswith((".jsonl", ".json"))
+    if not is_jsonl and not path.endswith(".txt"):
+        raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if not is_jsonl:
+                yield InputRecord(id=str(lineno), prompt=line)
+                continue
+            yield _parse_jsonl_line(line, lineno)
+
+
+def _parse_jsonl_line(line: str, lineno: int) -> InputRecord:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return InputRecord(id=str(lineno), error=f"line {lineno}: malformed JSON ({e.msg})")
+    if not isinstance(obj, dict):
+        return InputRecord(id=str(lineno), error=f"line {lineno}: expected a JSON object")
+    rid = str(obj.get("id", lineno))
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        return InputRecord(id=rid, error=f"line {lineno}: needs exactly one of "
+                                         "'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        return InputRecord(id=rid, error=f"line {lineno}: 'prompt' must be a string")
+    if messages is not None and not (
+        isinstance(messages, list)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+    ):
+        return InputRecord(id=rid, error=f"line {lineno}: 'messages' must be a list of "
+                                         "{'role', 'content'} objects")
+    overrides = dict(obj.get("sampling_params") or {})
+    overrides.update({k: v for k, v in obj.items() if k in _SAMPLING_KEYS})
+    unknown = set(obj) - _SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params"}
+    if unknown:
+        return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
+    return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides)
+
+
+def load_done_ids(path: str) -> set[str]:
+    """Ids already in the output file; a torn last line (killed run) is cut off."""
+    if not os.path.exists(path):
+        return set()
+    done: set[str] = set()
+    with open(path, "rb") as f:
+        data = f.read()
+    good_end = 0
+    pos = 0
+    for raw in data.splitlines(keepends=True):
+        pos += len(raw)
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            break  # everything after a torn record is dropped
+        if not raw.endswith(b"\n") or not isinstance(rec, dict) or "id" not in rec:
+            break
+        done.add(str(rec["id"]))
+        good_end = pos
+    if good_end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def _write(out: TextIO, record: dict[str, Any]) -> None:
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="deepinfer-generate", description="Offline batch generation with deepinfer."
+    )
+    p.add_argument("--input", required=True, help=".txt (one prompt per line) or .jsonl")
+    p.add_argument("--output", required=True, help=".jsonl; appended to, and resumed from")
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes (CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--show", action="store_true", help="print each result when done")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        default_params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, n=args.n,
+        )
+        inputs = list(read_inputs(args.input))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deepinfer-generate: {e}", file=sys.stderr)
+        return 2
+    done = load_done_ids(args.output)
+    pending = [r for r in inputs if r.id not in done]
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    if done:
+        print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
+              f"{args.output}", file=sys.stderr)
+    if not pending:
+        return 0
+
+    from deepinfer.engine import LLMEngine
+    from deepinfer.tokenizer import apply_chat_template
+
+    engine = LLMEngine(EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+    ))
+    failed = 0
+    seen: set[str] = set(done)
+    prompts: dict[str, str] = {}
+    t_start = time.perf_counter()
+    with open(args.output, "a", encoding="utf-8") as out:
+        for rec in pending:
+            error = rec.error
+            if error is None and rec.id in seen:
+                error = f"duplicate id {rec.id!r} in the input"
+            if error is None:
+                try:
+                    sp = default_params.replace(**(rec.overrides or {}))
+                    if rec.messages is not None or args.chat:
+                        msgs = rec.messages or [{"role": "user", "content": rec.prompt}]
+                        ids = apply_chat_template(engine.tokenizer, msgs)
+                        engine.add_request(rec.id, None, ids, sp)
+                    else:
+                        engine.add_request(rec.id, rec.prompt, None, sp)
+                    prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
+                except ValueError as e:
+                    error = str(e)
+            seen.add(rec.id)
+            if error is not None:
+                failed += 1
+                _write(out, {"id": rec.id, "error": error})
+        num_ok = len(prompts)
+        bar = tqdm(total=num_ok, desc="generate", unit="req", disable=args.no_progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        st = engine.stats
+        while engine.has_unfinished():
+            for res in engine.step():
+                record = {"id": res.request_id, "outputs": [
+                    {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                    for o in res.outputs
+                ]}
+                _write(out, record)
+                bar.update(1)
+                if args.show:
+                    tqdm.write(f"[{res.request_id}] {prompts[res.request_id]!r}\n"
+                               f"  -> {res.outputs[0].text!r}", file=sys.stdout)
+            elapsed = max(time.perf_counter() - t_start, 1e-9)
+            bar.set_postfix_str(f"in {st.prompt_tokens / elapsed:.0f} tok/s, "
+                                f"out {st.generated_tokens / elapsed:.0f} tok/s", refresh=False)
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    sst = engine.scheduler.stats
+    queries = max(sst.prefix_cache_queries, 1)
+    print(
+        f"done: {num_ok} requests ok, {failed} failed | prompt {st.prompt_tokens} tok, "
+        f"generated {st.generated_tokens} tok in {elapsed:.1f}s "
+        f"({st.generated_tokens / max(elapsed, 1e-9):.1f} tok/s out, "
+        f"{(st.prompt_tokens + st.generated_tokens) / max(elapsed, 1e-9):.1f} tok/s total) | "
+        f"preemptions {sst.num_preemptions} | prefix-cache hit rate "
+        f"{sst.prefix_cache_hits / queries:.1%}",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``LLM``: the offline batch-generation API (vLLM-like)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from deepinfer.engine import LLMEngine
+from deepinfer.engine_args import EngineArgs
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import apply_chat_template
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    ``LLM()`` loads the embedded default model (SmolLM2-135M-Instruct). ``model`` may be
+    a local Hugging Face folder (config.json + safetensors + tokenizer) or a ``.gguf``
+    file. Other keyword arguments are ``EngineArgs`` fields (``max_model_len``,
+    ``max_num_seqs``, ``kv_cache_memory``, ``gpu_memory_utilization``, ``enforce_eager``...).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 attention_backend: str = "auto", **kwargs) -> None:
+        args = EngineArgs(model=model, dtype=dtype, device=device,
+                          attention_backend=attention_backend, **kwargs)
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs in input order.
+
+        ``sampling_params``: one for all prompts, or one per prompt. Every request is
+        validated before any work starts; an invalid one raises ``ValueError``.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then ``generate``."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # one conversation
+        token_lists = [apply_chat_template(self.tokenizer, list(m)) for m in messages]
+        params = self._params_per_prompt(sampling_params, len(token_lists))
+        return self._run(token_lists, params, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts; "
+                             "pass one SamplingParams or one per prompt")
+        return sp
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                if isinstance(prompt, str):
+                    engine.add_request(rid, prompt, None, sp)
+                else:
+                    engine.add_request(rid, None, list(prompt), sp)
+                added.append(rid)
+        except ValueError as e:
+            for rid in added:  # all-or-nothing: nothing runs if one request is invalid
+                engine.abort(rid)
+            index = len(added)
+            raise ValueError(f"prompt {index}: {e}") from e
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        stats = engine.stats
+        p0, g0 = stats.prompt_tokens, stats.generated_tokens
+        t0 = stats.prompt_time + stats.decode_time
+        while engine.has_unfinished():
+            for out in engine.step():
+                results[out.request_id] = out
+                bar.update(1)
+            if use_tqdm:
+                elapsed = max(stats.prompt_time + stats.decode_time - t0, 1e-9)
+                bar.set_postfix_str(
+                    f"in {(stats.prompt_tokens - p0) / elapsed:.0f} tok/s, "
+                    f"out {(stats.generated_tokens - g0) / elapsed:.0f} tok/s",
+                    refresh=False,
+                )
+        bar.close()
+        return [results[rid] for rid in ids]

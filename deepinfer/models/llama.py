@@ -1,0 +1,203 @@
+"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
+attention goes through the paged KV cache via a pluggable kernel backend. The variants
+differ only in switches read from :class:`~deepinfer.config.ModelConfig`: qkv bias
+(Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), RoPE scaling, tied embeddings.
+
+Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
+weight loading only has to handle the fused projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.attention import Attention, AttentionMetadata
+from deepinfer.config import ModelConfig
+from deepinfer.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+                layer_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: Any) -> torch.Tensor:
+        """x ``[T, hidden]``; layer_cache ``[2, NB, BS, Hkv, D]`` -> ``[T, hidden]``."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        # q/k come out of RoPE contiguous; v is a strided view of the fused output, made
+        # contiguous so backends may assume dense [T, H, D] inputs (cheap: T*Hkv*D).
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.attn(q, k, v, layer_cache[0], layer_cache[1], meta, backend)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one Linear."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+                layer_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: Any) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, layer_cache,
+                               meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The full causal LM: ``forward`` gives final hidden states, ``compute_logits`` the
+    vocabulary scores of the rows the caller selects (usually one per sequence)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Explicit device: the loader builds the layers on "meta", the cache must be real.
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            cfg.rope_freq_factors, dtype=dtype, device=device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the embedding matrix when the embeddings are tied."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: Any) -> torch.Tensor:
+        """One step over ``T`` packed tokens.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 absolute positions (indexes the RoPE cache).
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+                in the model dtype; this step's K/V are written into it.
+            meta: the step's :class:`AttentionMetadata`.
+            backend: kernel provider (``kernels.reference`` or ``kernels``).
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states, model dtype.
+        """
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(positions, x, self.rotary, kv_cache[i], meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names
+        that were written. Unknown names raise ``ValueError`` naming the tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, not a weight
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy of the embedding
+            target, offset = self._fused_target(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.config.architecture}")
+            dst = param.data if offset is None else param.data.narrow(
+                0, offset, tensor.shape[0])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if offset is None else f"{target}#{offset}")
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        """Keys ``load_weights`` must report for the model to be complete."""
+        keys = set()
+        a = self.model.layers[0].self_attn if len(self.model.layers) else None
+        i_size = self.config.intermediate_size
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name and a is not None:
+                keys |= {f"{name}#0", f"{name}#{a.q_size}", f"{name}#{a.q_size + a.kv_size}"}
+            elif ".gate_up_proj." in name:
+                keys |= {f"{name}#0", f"{name}#{i_size}"}
+            else:
+                keys.add(name)
+        return keys
+
+    def _fused_target(self, name: str) -> tuple[str, int | None]:
+        """HF name -> (our parameter name, row offset inside a fused parameter or None)."""
+        a = self.model.layers[0].self_attn if len(self.model.layers) else None
+        for proj, fused, offset in (
+            ("q_proj", "qkv_proj", 0),
+            ("k_proj", "qkv_proj", a.q_size if a else 0),
+            ("v_proj", "qkv_proj", (a.q_size + a.kv_size) if a else 0),
+            ("gate_proj", "gate_up_proj", 0),
+            ("up_proj", "gate_up_proj", self.config.intermediate_size),
+        ):
+            marker = f".{proj}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), offset
+        return name, None

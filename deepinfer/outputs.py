@@ -1,0 +1,61 @@
+"""What ``LLM.generate`` returns: one ``RequestOutput`` per prompt, one
+``CompletionOutput`` per sample (``n`` of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# One dict per generated token: {token_id: logprob} with the sampled token and the top-k.
+SampleLogprobs = list[dict[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    ``finish_reason``: ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
+    (``max_tokens`` or the model's length limit), ``"abort"``, or None while running.
+    ``logprobs``: None unless ``SamplingParams.logprobs`` was set.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: SampleLogprobs | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready. ``json.dumps`` writes the logprob dicts' int keys as strings."""
+        return {
+            "index": self.index,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "logprobs": None if self.logprobs is None
+            else [{int(t): float(lp) for t, lp in d.items()} for d in self.logprobs],
+        }
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt. ``prompt`` is None when token ids were given."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record of the request and its completions."""
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "outputs": [o.to_dict() for o in self.outputs],
+            "finished": self.finished,
+        }

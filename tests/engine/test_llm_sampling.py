@@ -1,0 +1,122 @@
+"""Sampling parameters through the whole engine (tiny random Llama + a real BPE tokenizer).
+
+Each test would fail if its parameter were ignored by the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+
+PROMPT = "the quick brown fox"
+OTHER = ["hello world, hello engine", "once upon a time", "a b c d e f"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(tiny_checkpoints["llama_tied"].path, dtype="float32", device="cpu",
+               max_num_batched_tokens=32, max_num_seqs=8, kv_cache_memory=8 << 20,
+               block_size=8)
+
+
+def _gen(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_seed_reproducible_whatever_else_is_in_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = _gen(llm, [PROMPT], sp)[0].outputs[0].token_ids
+    mixed_params = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True),
+                    sp,
+                    SamplingParams(temperature=0.9, seed=99, max_tokens=12, ignore_eos=True),
+                    SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    mixed = _gen(llm, [OTHER[0], PROMPT, OTHER[1], OTHER[2]], mixed_params)
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = _gen(llm, [PROMPT], SamplingParams(temperature=1.0, seed=4321,
+                                                    max_tokens=12, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_max_tokens_and_ignore_eos(llm):
+    out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=9,
+                                             ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+
+
+def test_stop_string_trims_text(llm):
+    base = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                              ignore_eos=True))[0].outputs[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                             stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base[: base.index(stop)]
+    assert stop not in out.text
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                ignore_eos=True))[0].outputs[0].token_ids
+    first = greedy[0]
+    stopped = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
+                                                 ignore_eos=True, stop_token_ids=[first]))
+    assert stopped[0].outputs[0].token_ids == [first]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    late = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                              stop_token_ids=[first], min_tokens=3))
+    toks = late[0].outputs[0].token_ids
+    assert len(toks) >= 3 and first not in toks[:3]
+
+
+def test_penalties_change_greedy_output(llm):
+    base = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=24,
+                                              ignore_eos=True))[0].outputs[0].token_ids
+    assert len(set(base)) < len(base)  # the random model repeats itself
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+               {"repetition_penalty": 3.0}):
+        out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=24,
+                                                 ignore_eos=True, **kw))[0].outputs[0]
+        assert out.token_ids != base, kw
+        assert len(set(out.token_ids)) > len(set(base)), kw
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=10,
+                                                ignore_eos=True))[0].outputs[0].token_ids
+    topk = _gen(llm, [PROMPT], SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=10,
+                                              ignore_eos=True))[0].outputs[0].token_ids
+    assert topk == greedy
+
+
+def test_logprobs(llm):
+    out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                             logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and 2 <= len(lp) <= 3
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+
+
+def test_parallel_samples_differ_and_share_prompt_blocks(llm):
+    engine = llm.engine
+    prompt_ids = llm.tokenizer.encode(PROMPT * 4)  # several full blocks
+    engine.add_request("fork", None, prompt_ids,
+                       SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6,
+                                      ignore_eos=True))
+    engine.step()  # the prompt step: prefilled once, then forked
+    seqs = engine.scheduler.get_sequences("fork")
+    assert len(seqs) == 3
+    tables = [list(s.block_table) for s in seqs]
+    full = len(prompt_ids) // 8
+    assert full >= 2
+    assert tables[0][:full] == tables[1][:full] == tables[2][:full]
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    outs = done[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert engine.scheduler.cache_usage() == 0

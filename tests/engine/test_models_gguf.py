@@ -1,0 +1,129 @@
+"""The default SmolLM2-135M-Instruct Q4_1 GGUF: our dequantization + un-permuted q/k rows
+vs transformers' own GGUF loader (which dequantizes the same blocks), fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.test_models import PagedSim
+
+
+def test_config_from_gguf_metadata(smollm2_model):
+    _, cfg = smollm2_model
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
+        "LlamaForCausalLM", 30, 9, 3)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.vocab_size) == (576, 64, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
+
+
+def test_logits_match_transformers(smollm2_model, smollm2_tokenizer, hf_smollm2):
+    from deepinfer.tokenizer import apply_chat_template
+
+    model, cfg = smollm2_model
+    tokens = apply_chat_template(smollm2_tokenizer,
+                                 [{"role": "user", "content": "What is the capital of France?"}])
+    prompt, follow = tokens, [504, 3575, 282]  # a few teacher-forced decode tokens
+    sim = PagedSim(cfg, num_blocks=16, block_size=8)
+    ours = [sim.step(model, {0: prompt}, is_prompt=True)]
+    for tok in follow:
+        ours.append(sim.step(model, {0: [tok]}, is_prompt=False))
+    got = torch.cat(ours)
+    with torch.inference_mode():
+        want = hf_smollm2(torch.tensor([prompt + follow])).logits[0, : got.shape[0]].float()
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item()
+    assert diff <= 1e-3 * scale, f"max abs diff {diff} at logit scale {scale}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# --------------------------------------------------------------- tiny GGUFs from HF models
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _write_tiny_gguf(hf_model, arch: str, path: str) -> None:
+    """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
+        import math
+
+        base, f = rope["rope_theta"], rope["factor"]
+        lo, hi = rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        factors = []
+        for k in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * base ** (k / head_dim)
+            if wavelen < old / hi:
+                factors.append(1.0)
+            elif wavelen > old / lo:
+                factors.append(f)
+            else:
+                s = (old / wavelen - lo) / (hi - lo)
+                factors.append(1 / ((1 - s) / f + s))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for name, t in hf_model.state_dict().items():
+        t = t.float()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            mod, kind = rest.rsplit(".", 1)
+            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+                h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
+                t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
+                t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
+            gname = f"blk.{i}.{_GGUF_LAYER[mod]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+            if gname == "output.weight" and c.tie_word_embeddings:
+                continue
+        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name,arch", [("llama3", "llama"), ("qwen2", "qwen2"),
+                                       ("qwen3", "qwen3")])
+def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
+    from deepinfer.loader import load_model
+    from tests.engine.test_models import hf_logits
+
+    ck = tiny_checkpoints[name]
+    path = str(tmp_path / f"{name}.gguf")
+    _write_tiny_gguf(ck.hf_model, arch, path)
+    model, cfg = load_model(path, dtype="auto", device="cpu")
+    assert cfg.tie_word_embeddings == ck.hf_model.config.tie_word_embeddings
+    tokens = torch.randint(3, cfg.vocab_size, (10,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    got = PagedSim(cfg).step(model, {0: tokens}, is_prompt=True)
+    want = hf_logits(ck.hf_model, tokens)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    if name == "llama3":
+        assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0
