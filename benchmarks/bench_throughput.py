@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="results file stem")
     args = p.parse_args(argv)
     result = run(args)
-    name = args.name or f"throughput-{'cuda' if 'cuda' in str(args.device) or torch.cuda.is_available() else 'cpu'}"
+    on_cuda = result["device"] != platform.processor() and torch.cuda.is_available()
+    name = args.name or f"throughput-{'cuda' if on_cuda else 'cpu'}"
     write_results(result, name)
     print(json.dumps(result, indent=2))
     return 0

@@ -72,18 +72,34 @@ def paged_decode_attention(
 
     q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32.
     Returns ``[B, Hq, D]`` in q's dtype (written into ``out`` when given).
-    ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
-    two backends are interchangeable.
+    ``num_splits`` only steers the Triton kernel (accepted so the backends are
+    interchangeable); ``max_seq_len``, when given, bounds the block-table columns read.
     """
-    del num_splits, max_seq_len
+    del num_splits
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
-    lens = seq_lens.tolist()
-    for b, length in enumerate(lens):
-        k = _gather_kv(k_cache, block_tables[b], length)
-        v = _gather_kv(v_cache, block_tables[b], length)
-        out[b] = _attend(q[b : b + 1], k, v, scale, None)[0].to(out.dtype)
+    if q.shape[0] == 0:
+        return out
+    # Batched over sequences (this is also the CPU execution path): gather every
+    # sequence's blocks, mask keys past its length. Masked values are zeroed too, since
+    # 0 * NaN from uninitialised slots would otherwise leak into the output.
+    b, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1]
+    if max_seq_len is not None:
+        width = min(width, -(-max_seq_len // block_size))
+    blocks = block_tables[:, :width].long()
+    length = width * block_size
+    k = k_cache[blocks].reshape(b, length, hkv, d).float()
+    v = v_cache[blocks].reshape(b, length, hkv, d).float()
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    qf = q.float().reshape(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out.copy_(torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d))
     return out
 
 

@@ -105,10 +105,15 @@ def test_parallel_samples_differ_and_share_prompt_blocks(llm):
     engine.add_request("fork", None, prompt_ids,
                        SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6,
                                       ignore_eos=True))
-    engine.step()  # the prompt step: prefilled once, then forked
-    seqs = engine.scheduler.get_sequences("fork")
+    # Decode steps run until the next prefill attempt point; the prompt step then
+    # prefills the prompt once and forks it.
+    for _ in range(64):
+        engine.step()
+        seqs = engine.scheduler.get_sequences("fork")
+        if seqs[0].output_token_ids:
+            break
     assert len(seqs) == 3
-    tables = [list(s.block_table) for s in seqs]
+    tables = [list(s.blocks) for s in seqs]
     full = len(prompt_ids) // 8
     assert full >= 2
     assert tables[0][:full] == tables[1][:full] == tables[2][:full]

@@ -1,0 +1,131 @@
+"""Scheduler overhead per step: ``schedule()`` + ``update()`` on the CPU, no model.
+
+Decode steps with 64, 256 and 1024 running sequences (prompt lengths 128..191 so block
+boundaries, i.e. new blocks and prefix-cache registrations, are spread over steps as in a
+real run), and one prompt step admitting 256 sequences of 16 tokens.
+
+    python benchmarks/bench_scheduler.py                 # prints us/step and us/seq
+    pytest benchmarks/bench_scheduler.py --benchmark-enable
+
+In the normal suite (``--benchmark-disable``) each benchmark body runs once, plus a
+timing check that a decode step's cost grows about linearly with the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+MAX_MODEL_LEN = 4096
+
+
+def running_scheduler(num_seqs: int, seed: int = 0) -> Scheduler:
+    """A scheduler with ``num_seqs`` sequences past their prompt, decoding."""
+    rng = np.random.default_rng(seed)
+    s = Scheduler(SchedulerConfig(
+        num_blocks=num_seqs * (MAX_MODEL_LEN // 16) // 4, block_size=16,
+        max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN,
+    ))
+    for i in range(num_seqs):
+        plen = int(rng.integers(128, 192))
+        s.add_request(f"r{i}", rng.integers(0, 32000, plen).tolist(), 2048,
+                      stop_token_ids=[2])
+    while s.num_running < num_seqs:
+        out = s.schedule()
+        s.update(out, [5] * out.num_samples)
+    return s
+
+
+def decode_step(s: Scheduler, toks: list[int]) -> None:
+    out = s.schedule()
+    assert not out.is_prompt
+    s.update(out, toks)
+
+
+def time_decode(num_seqs: int, steps: int = 200) -> float:
+    """Mean seconds per decode step (schedule + update) over ``steps`` steps."""
+    s = running_scheduler(num_seqs)
+    toks = [5] * num_seqs
+    for _ in range(5):
+        decode_step(s, toks)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        decode_step(s, toks)
+    return (time.perf_counter() - t0) / steps
+
+
+def prompt_setup(num_seqs: int = 256):
+    rng = np.random.default_rng(1)
+    s = Scheduler(SchedulerConfig(num_blocks=4096, block_size=16, max_num_seqs=num_seqs,
+                                  max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN))
+    for i in range(num_seqs):
+        s.add_request(f"p{i}", rng.integers(0, 32000, 16).tolist(), 16)
+    return (s, [5] * num_seqs), {}
+
+
+def prompt_step(s: Scheduler, toks: list[int]) -> None:
+    out = s.schedule()
+    assert out.is_prompt and len(out.seqs) == len(toks)
+    s.update(out, toks)
+
+
+def time_prompt(num_seqs: int = 256, reps: int = 20) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        (s, toks), _ = prompt_setup(num_seqs)
+        t0 = time.perf_counter()
+        prompt_step(s, toks)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ------------------------------------------------------------------ pytest-benchmark
+@pytest.mark.parametrize("num_seqs", [64, 256, 1024])
+def test_bench_decode_step(benchmark, num_seqs):
+    s = running_scheduler(num_seqs)
+    toks = [5] * num_seqs
+    benchmark.extra_info["num_seqs"] = num_seqs
+    benchmark.pedantic(decode_step, args=(s, toks), rounds=300, iterations=1,
+                       warmup_rounds=5)
+    assert s.num_running == num_seqs
+
+
+def test_bench_prompt_step_256(benchmark):
+    benchmark.extra_info["num_seqs"] = 256
+    benchmark.pedantic(prompt_step, setup=prompt_setup, rounds=30, iterations=1)
+
+
+def test_decode_cost_grows_linearly():
+    """1024 vs 256 running sequences: within 4.5x per step (best of a few tries)."""
+    ratio = float("inf")
+    for _ in range(3):
+        ratio = min(ratio, time_decode(1024, 60) / time_decode(256, 60))
+        if ratio <= 4.5:
+            break
+    assert ratio <= 4.5, f"decode step cost grows superlinearly: 1024/256 = {ratio:.2f}x"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    print(f"{'step':<22}{'us/step':>10}{'us/seq':>10}")
+    for n in (64, 256, 1024):
+        t = min(time_decode(n, args.steps) for _ in range(3))
+        print(f"{'decode, ' + str(n) + ' seqs':<22}{t * 1e6:>10.1f}{t * 1e6 / n:>10.3f}")
+    t = time_prompt(256)
+    print(f"{'prompt, 256 seqs':<22}{t * 1e6:>10.1f}{t * 1e6 / 256:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""KV block pool: ref-counted blocks and a prefix cache of full blocks.
+
+A block is free (ref 0, uncached), evictable (ref 0, still holding a cached full block that
+a later prompt may reuse) or in use (ref >= 1: referenced by that many block tables).
+Allocation takes a never-cached free block first and otherwise evicts the least recently
+freed cached block, so cached prefixes live as long as the pool allows.
+
+Prefix caching keys a full block by a chained hash ``h_i = hash((h_{i-1}, tokens_i))``.
+The hash only finds a candidate: a hit is verified against the block's stored tokens and
+its parent's identity ``(parent block id, parent generation)``. A block's generation
+changes every time it is allocated, so a verified chain means every block of the prefix
+still holds exactly the K/V it was registered with.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+ROOT_HASH = hash(("deepinfer-prefix-root",))
+
+
+def chain_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's chain hash (deterministic across ranks)."""
+    return hash((parent_hash, tokens))
+
+
+class BlockPool:
+    """``num_blocks`` blocks with ref counts, a free list, an LRU of evictable cached blocks
+    and the hash -> block map of the prefix cache. Not thread-safe: the scheduler's lock
+    guards it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        # int32 [num_blocks]: numpy so that decode can test "shared?" for a whole batch.
+        self.ref = np.zeros(num_blocks, dtype=np.int32)
+        # Pop from the end: block 0 is handed out first (only for readable tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._gen = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._parent: list[tuple[int, int] | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can get: free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (evictable blocks count as free)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    # ------------------------------------------------------------------ alloc / free
+    def allocate(self) -> int:
+        """One block with ref 1; evicts the LRU cached block if no free one is left."""
+        if self._free:
+            b = self._free.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            self._uncache(b)
+        else:
+            raise RuntimeError("BlockPool.allocate: no free block (caller must check)")
+        self._gen[b] += 1
+        self.ref[b] = 1
+        return b
+
+    def take(self, b: int) -> None:
+        """Add a reference to block ``b`` (a prefix-cache hit or a fork share)."""
+        if self.ref[b] == 0:
+            del self._evictable[b]
+        self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block. Tail blocks are released first so that they
+        are evicted before the prefix blocks, which are likelier to be shared again."""
+        ref = self.ref
+        for b in reversed(blocks):
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                if self._hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+            elif r < 0:
+                raise RuntimeError(f"block {b} freed more often than referenced")
+
+    def _uncache(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None:
+            if self._cached.get(h) == b:
+                del self._cached[h]
+            self._hash[b] = None
+            self._tokens[b] = None
+            self._parent[b] = None
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, hashes: list[int],
+               tokens_of: Callable[[int], tuple[int, ...]]) -> list[int]:
+        """Longest verified cached prefix: block ids for the first k of ``hashes``.
+
+        ``hashes[i]`` is the chain hash of block i, ``tokens_of(i)`` its tokens (only
+        built for candidates). Does not take references (see ``take``)."""
+        if not self.enable_caching:
+            return []
+        out: list[int] = []
+        parent: tuple[int, int] | None = None
+        for i, h in enumerate(hashes):
+            b = self._cached.get(h)
+            if b is None or self._parent[b] != parent or self._tokens[b] != tokens_of(i):
+                break
+            out.append(b)
+            parent = (b, self._gen[b])
+        return out
+
+    def register(self, b: int, h: int, tokens: tuple[int, ...], parent_block: int) -> None:
+        """Record full block ``b`` (whose parent in its sequence is ``parent_block``, -1
+        for the first block) under chain hash ``h``. A block already cached, or a hash
+        already held by another block, is left as it is."""
+        if not self.enable_caching or self._hash[b] is not None or h in self._cached:
+            return
+        self._hash[b] = h
+        self._tokens[b] = tokens
+        self._parent[b] = None if parent_block < 0 else (parent_block,
+                                                          self._gen[parent_block])
+        self._cached[h] = b
+
+    # ------------------------------------------------------------------ checks
+    def check(self, references: dict[int, int]) -> None:
+        """Assert pool consistency given ``references`` (block -> number of block-table
+        references from live sequences). For tests; O(num_blocks)."""
+        free = set(self._free)
+        evict = set(self._evictable)
+        assert len(free) == len(self._free), "duplicate block in the free list"
+        assert not free & evict, "block both free and evictable"
+        for b in range(self.num_blocks):
+            want = references.get(b, 0)
+            assert self.ref[b] == want, f"block {b}: ref {self.ref[b]} != {want} references"
+            if want:
+                assert b not in free and b not in evict, f"block {b} referenced and free"
+            else:
+                assert b in free or b in evict, f"block {b} leaked"
+            if b in evict:
+                assert self._hash[b] is not None, f"evictable block {b} has no hash"
+        for h, b in self._cached.items():
+            assert self._hash[b] == h, f"hash map entry of block {b} is stale"

@@ -1,0 +1,34 @@
+"""Data-parallel votes: one int all-reduced with MIN over the DP group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class DPVoter:
+    """``allreduce_min(v)`` over ``group`` (identity when ``group`` is None: no collective).
+
+    The vote tensor lives on the GPU for an NCCL group (the engine on CUDA) and on the CPU
+    for gloo. It is allocated once; every rank calls ``allreduce_min`` the same number of
+    times in the same order (the scheduler's ``decode_step`` guarantees it)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: str = "cpu") -> None:
+        self.group = group
+        self._buf: torch.Tensor | None = None
+        if group is not None:
+            dev = torch.device("cpu")
+            if device.startswith("cuda") and dist.get_backend(group) == "nccl":
+                dev = torch.device(device)
+            self._buf = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def allreduce_min(self, value: int) -> int:
+        if self._buf is None:
+            return value
+        self._buf.fill_(value)
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MIN, group=self.group)
+        return int(self._buf.item())

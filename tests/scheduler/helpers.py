@@ -1,0 +1,116 @@
+"""Test helpers: a fake model runner that checks every step's launch tensors against
+the sequences' tokens, and a driver loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+
+
+def make(num_blocks: int = 64, **kw) -> Scheduler:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_num_batched_tokens", 32)
+    kw.setdefault("max_model_len", 64)
+    return Scheduler(SchedulerConfig(num_blocks=num_blocks, **kw))
+
+
+def tokens_of(seq) -> list[int]:
+    return list(seq.prompt_token_ids) + list(seq.output_token_ids)
+
+
+class FakeRunner:
+    """Plays the model runner on a fake KV cache holding token ids (one int per slot)
+    and fake per-slot states holding the tokens the runner recorded (penalty state). It
+    applies a step in the runner's order and asserts that:
+
+    - every scheduled sequence reads back, through its block table, exactly its tokens
+      ``0..seq_len-1`` (prefix-cache hits, chunks, forks and COW copies included);
+    - every sample's state slot holds exactly that sequence's tokens;
+    - decode rows feed each sequence's last token at its last position.
+    """
+
+    def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0) -> None:
+        c = sched.config
+        self.bs = c.block_size
+        self.kv = np.full(c.num_blocks * c.block_size, -1, dtype=np.int64)
+        self.state: dict[int, list[int] | None] = {}
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+
+    def execute(self, out: SchedulerOutputs) -> list[int]:
+        b = out.batch
+        bs = self.bs
+        t = out.num_batched_tokens
+        nb = len(out.seqs)
+        assert b.input_ids.shape == (t,) and b.positions.shape == (t,)
+        assert b.slot_mapping.shape == (t,)
+        assert b.seq_lens.shape == (nb,) and b.query_start_loc.shape == (nb + 1,)
+        assert b.block_tables.shape[0] == nb and b.state_slots.shape == (nb,)
+        assert b.logits_indices.shape == (out.num_samples,)
+        assert b.sample_state_slots.shape == (out.num_samples,)
+        assert len(out.sample_seqs) == out.num_samples and len(out.seq_ids) == nb
+        assert [s.seq_id for s in out.seqs] == out.seq_ids
+        for src, dst in out.clone_blocks.tolist():
+            self.kv[dst * bs:(dst + 1) * bs] = self.kv[src * bs:(src + 1) * bs]
+        fresh = set(out.zero_states.tolist())
+        for s in fresh:
+            self.state[s] = []
+        ids = b.input_ids.numpy()
+        qsl = b.query_start_loc.tolist()
+        slots = b.state_slots.tolist()
+        # As the engine does: a new (or recomputed) sequence's state records its whole
+        # prompt + earlier outputs, then every sampled token.
+        for i, seq in enumerate(out.seqs):
+            if slots[i] in fresh:
+                self.state[slots[i]] = tokens_of(seq)
+        for p, c in out.clone_states.tolist():
+            self.state[c] = list(self.state[p])
+        sm = b.slot_mapping.numpy()
+        self.kv[sm] = ids
+        tables = b.block_tables.numpy()
+        lens = b.seq_lens.tolist()
+        pos = b.positions.numpy()
+        for i, seq in enumerate(out.seqs):
+            toks = tokens_of(seq)
+            n = lens[i]
+            q = qsl[i + 1] - qsl[i]
+            assert pos[qsl[i]:qsl[i + 1]].tolist() == list(range(n - q, n))
+            p = np.arange(n)
+            got = self.kv[tables[i, p // bs].astype(np.int64) * bs + p % bs]
+            assert got.tolist() == toks[:n], f"seq {seq.seq_id}: KV mismatch"
+            if not out.is_prompt:
+                assert n == len(toks) and ids[i] == toks[-1]
+        li = b.logits_indices.tolist()
+        for k, seq in enumerate(out.sample_seqs):
+            st = self.state[int(b.sample_state_slots[k])]
+            assert st == tokens_of(seq), f"seq {seq.seq_id}: state mismatch"
+            # The sampled row is the last fed token of that sequence.
+            assert ids[li[k]] == tokens_of(seq)[-1]
+        toks = self.sample(out.num_samples)
+        for k, tok in enumerate(toks):
+            self.state[int(b.sample_state_slots[k])].append(tok)
+        return toks
+
+
+    def sample(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, n).tolist()
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
+                      max_steps: int = 10_000, check: bool = True):
+    """Drive schedule/execute/update until nothing is left; returns (finished, steps)."""
+    runner = runner or FakeRunner(sched)
+    finished = []
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return finished, steps
+        out = sched.schedule()
+        steps.append(out.is_prompt)
+        toks = runner.execute(out)
+        finished += sched.update(out, toks)
+        if check:
+            sched.check_invariants()
+    raise AssertionError("scheduler did not finish (livelock?)")
