@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "device": (torch.cuda.get_device_name() if llm.engine.device.type == "cuda"
                    else platform.processor() or platform.machine()),
+        "device_type": llm.engine.device.type,
         "threads": torch.get_num_threads(),
         "commit": _git_commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -169,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="results file stem")
     args = p.parse_args(argv)
     result = run(args)
-    on_cuda = result["device"] != platform.processor() and torch.cuda.is_available()
-    name = args.name or f"throughput-{'cuda' if on_cuda else 'cpu'}"
+    name = args.name or f"throughput-{result['device_type']}"
     write_results(result, name)
     print(json.dumps(result, indent=2))
     return 0
