@@ -27,7 +27,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check kernels scheduler deepinfer tests benchmarks
 
+# A fresh output each time: the script resumes (skips ids already written) otherwise.
 generate: $(STAMP)
+	rm -f out/generations.jsonl
 	$(VENV)/bin/deepinfer-generate --input examples/prompts.jsonl --output out/generations.jsonl --chat --show
 
 bench: $(STAMP)

@@ -62,41 +62,38 @@ def test_chat_applies_template(smol_llm):
     assert out[0].prompt_token_ids == list(expected)
 
 
+def _assert_greedy_matches_hf(llm: LLM, hf_model, prompts: list[list[int]], n: int) -> None:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n,
+                                                ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.inference_mode():
+            want = hf_model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == want
+
+
+LONG = [5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55, 61, 90, 101, 11,
+        13, 150, 160, 170, 180, 190, 30]
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral"])
 def test_tiny_models_greedy_match_transformers(tiny_checkpoints, name):
     ckpt = tiny_checkpoints[name]
     llm = LLM(ckpt.path, dtype="float32", device="cpu", max_num_batched_tokens=24,
               max_num_seqs=3, kv_cache_memory=8 << 20, block_size=8)
-    prompts = [[5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55, 61, 90,
-                101, 11, 13, 150, 160, 170, 180, 190, 30], [9, 8, 7], [5, 17, 42, 99, 3, 8, 250,
-                12, 77, 31, 64, 128, 200, 7, 19, 23, 44]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10,
-                                                ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = ckpt.hf_model.generate(torch.tensor([p]), max_new_tokens=10,
-                                          min_new_tokens=10, do_sample=False,
-                                          pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == want
+    # The third prompt shares LONG's first two blocks: a prefix-cache hit.
+    _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG, [9, 8, 7], LONG[:16] + [44]], 10)
 
 
 def test_triton_backend_interpreter_matches_transformers(tiny_checkpoints):
+    import kernels
+
     ckpt = tiny_checkpoints["qwen3"]
     llm = LLM(ckpt.path, dtype="float32", device="cpu", attention_backend="triton",
               max_num_batched_tokens=16, max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
-    import kernels
-
     assert llm.engine.backend is kernels
-    prompts = [[5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55], [9, 8]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
-                                                ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = ckpt.hf_model.generate(torch.tensor([p]), max_new_tokens=6,
-                                          min_new_tokens=6, do_sample=False,
-                                          pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == want
+    _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG[:18], [9, 8]], 6)
 
 
 # ------------------------------------------------------------------ bad input
