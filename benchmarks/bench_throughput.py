@@ -9,6 +9,7 @@ earn nothing.
     python benchmarks/bench_throughput.py                      # CPU scale (64 requests)
     python benchmarks/bench_throughput.py --num-requests 256 --min-len 100 --max-len 1024
     python benchmarks/bench_throughput.py --no-hf              # deepinfer only
+    python benchmarks/bench_throughput.py --no-hf --dp 2       # + the same run over 2 DP ranks
 
 The test at the bottom runs a tiny workload so the suite exercises this file.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -119,7 +121,81 @@ def run(args: argparse.Namespace) -> dict:
         result["transformers"] = {"seconds": hf_s, "tokens": hf_tok,
                                   "tok_per_s": hf_tok / hf_s, "batch_size": args.hf_batch_size}
         result["speedup"] = result["deepinfer"]["tok_per_s"] / result["transformers"]["tok_per_s"]
+    if getattr(args, "dp", 1) > 1:
+        result["deepinfer_dp"] = run_deepinfer_dp(args, wl, result["deepinfer"]["tok_per_s"])
     return result
+
+
+def run_deepinfer_dp(args: argparse.Namespace, wl: Workload, one_rank_tok_s: float) -> dict:
+    """The same workload split round-robin over ``args.dp`` ranks (deepinfer.dp's
+    launcher; one GPU per rank on CUDA, CPU processes with gloo otherwise)."""
+    from deepinfer.dp import spawn_ranks
+
+    per_rank = spawn_ranks(_bench_rank, args.dp, (vars(args).copy(), wl))
+    wall = max(r["seconds"] for r in per_rank)
+    tokens = sum(r["tokens"] for r in per_rank)
+    scaling = tokens / wall / one_rank_tok_s
+    out = {"ranks": args.dp, "seconds": wall, "tokens": tokens, "tok_per_s": tokens / wall,
+           "per_rank": per_rank, "scaling_vs_1_rank": scaling}
+    if per_rank[0]["device_type"] == "cpu":
+        out["note"] = (
+            f"CPU: {args.dp} ranks x {per_rank[0]['threads']} thread(s) vs 1 rank x "
+            f"{torch.get_num_threads()} thread(s) on {os.cpu_count()} cores that other jobs "
+            "may share; the ratio measures torch CPU threading and contention on this "
+            "machine as much as DP (compare with OMP_NUM_THREADS=1 set for both). DP is "
+            "meant for one GPU per rank")
+    return out
+
+
+def _bench_rank(info, args: dict, wl: Workload) -> list[dict] | None:
+    """One DP rank of the throughput run: its round-robin share, timed after a warm-up;
+    rank 0 returns every rank's figures."""
+    import torch.distributed as dist
+
+    from deepinfer import SamplingParams
+    from deepinfer.dp import init_distributed, select_device
+    from deepinfer.engine import LLMEngine
+    from deepinfer.engine_args import EngineArgs
+
+    device = select_device(args["device"], info.local_rank)
+    init_distributed(info, device, timeout_s=600)
+    engine = LLMEngine(EngineArgs(model=args["model"], dtype=args["dtype"], device=device,
+                                  max_num_seqs=args["max_num_seqs"],
+                                  max_model_len=2 * args["max_len"] + 16),
+                       dp_group=dist.group.WORLD)
+
+    def drain(engine: LLMEngine) -> float:
+        """Step until no rank has work; seconds until this rank's own work was done."""
+        t0 = time.perf_counter()
+        mine = t0
+        while engine.scheduler.has_unfinished_dp():
+            engine.step()
+            if engine.has_unfinished():
+                mine = time.perf_counter()
+        return mine - t0
+
+    engine.add_request("warmup", None, wl.prompts[0],
+                       SamplingParams(max_tokens=4, ignore_eos=True))
+    drain(engine)
+    dist.barrier()
+    for i in range(info.rank, len(wl.prompts), info.world_size):
+        engine.add_request(str(i), None, wl.prompts[i],
+                           SamplingParams(temperature=0.0, max_tokens=wl.max_tokens[i],
+                                          ignore_eos=True))
+    tokens0 = engine.stats.generated_tokens
+    t0 = time.perf_counter()
+    own = drain(engine)
+    wall = time.perf_counter() - t0
+    tokens = engine.stats.generated_tokens - tokens0
+    mine = {"rank": info.rank, "seconds": wall, "busy_seconds": own, "tokens": tokens,
+            "tok_per_s": tokens / wall, "device_type": engine.device.type,
+            "threads": torch.get_num_threads()}
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)
+    del engine  # it holds the group: free both before exit (see deepinfer.dp)
+    gc.collect()
+    dist.destroy_process_group()
+    return everyone if info.rank == 0 else None
 
 
 def load_hf_model(path: str, dtype: torch.dtype, device: torch.device):
@@ -151,6 +227,19 @@ def write_results(result: dict, name: str) -> None:
             lines.append(f"| {key} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_per_s']:.1f} |")
     if "speedup" in result:
         lines += ["", f"deepinfer / transformers: **{result['speedup']:.2f}x**"]
+    if "deepinfer_dp" in result:
+        d = result["deepinfer_dp"]
+        lines += ["", f"## Data parallel: {d['ranks']} ranks vs 1 rank", "",
+                  "| run | seconds | tokens | tok/s |", "|---|---|---|---|",
+                  f"| 1 rank | {result['deepinfer']['seconds']:.2f} | "
+                  f"{result['deepinfer']['tokens']} | {result['deepinfer']['tok_per_s']:.1f} |",
+                  f"| {d['ranks']} ranks, total | {d['seconds']:.2f} | {d['tokens']} | "
+                  f"{d['tok_per_s']:.1f} |"]
+        lines += [f"| rank {r['rank']} | {r['seconds']:.2f} | {r['tokens']} | "
+                  f"{r['tok_per_s']:.1f} |" for r in d["per_rank"]]
+        lines += ["", f"{d['ranks']} ranks / 1 rank: **{d['scaling_vs_1_rank']:.2f}x**"]
+        if "note" in d:
+            lines += ["", d["note"] + "."]
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -168,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--name", default=None, help="results file stem")
+    p.add_argument("--dp", type=int, default=1,
+                   help="also run the workload over N data-parallel ranks (spawned)")
     args = p.parse_args(argv)
     result = run(args)
-    name = args.name or f"throughput-{result['device_type']}"
+    name = args.name or (f"throughput-{result['device_type']}"
+                         + (f"-dp{args.dp}" if args.dp > 1 else ""))
     write_results(result, name)
     print(json.dumps(result, indent=2))
     return 0

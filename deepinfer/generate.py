@@ -108,7 +108,8 @@ def load_done_ids(path: str) -> set[str]:
     return done
 
 
-def _write(out: TextIO, record: dict[str, Any]) -> None:
+def write_record(out: TextIO, record: dict[str, Any]) -> None:
+    """One JSON line, flushed at once so that a killed run keeps every finished record."""
     out.write(json.dumps(record, ensure_ascii=False) + "\n")
     out.flush()
 
@@ -139,20 +140,118 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--show", action="store_true", help="print each result when done")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks on this machine (one GPU each on CUDA; "
+                        "ignored under torchrun, which sets the ranks)")
+    p.add_argument("--dp-timeout", type=float, default=120.0,
+                   help="seconds a rank waits on the others before giving up (DP runs)")
     return p
+
+
+def default_sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The CLI's default sampling; per-record overrides are applied on top."""
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, n=args.n,
+    )
+
+
+def engine_args(args: argparse.Namespace, device: str | None = None) -> EngineArgs:
+    """``EngineArgs`` from the CLI flags; ``device`` overrides ``--device`` (DP ranks)."""
+    return EngineArgs(
+        model=args.model, dtype=args.dtype, device=device or args.device,
+        attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+    )
+
+
+def mark_duplicates(pending: list[InputRecord], done: set[str]) -> None:
+    """Turn a repeated id (in the input, or already done) into an error record, so that
+    every rank of a DP run agrees on which record of a repeated id runs."""
+    seen = set(done)
+    for rec in pending:
+        if rec.error is None and rec.id in seen:
+            rec.error = f"duplicate id {rec.id!r} in the input"
+        seen.add(rec.id)
+
+
+def submit(engine, records: list[InputRecord], default_params: SamplingParams,
+           chat: bool, out: TextIO) -> tuple[dict[str, Any], int]:
+    """Queue ``records`` on ``engine``; bad ones are written to ``out`` as error records.
+
+    Returns the prompts of the queued requests by id (for ``--show``) and the number of
+    error records written.
+    """
+    from deepinfer.tokenizer import apply_chat_template
+
+    failed = 0
+    prompts: dict[str, Any] = {}
+    for rec in records:
+        error = rec.error
+        if error is None:
+            try:
+                sp = default_params.replace(**(rec.overrides or {}))
+                if rec.messages is not None or chat:
+                    msgs = rec.messages or [{"role": "user", "content": rec.prompt}]
+                    ids = apply_chat_template(engine.tokenizer, msgs)
+                    engine.add_request(rec.id, None, ids, sp)
+                else:
+                    engine.add_request(rec.id, rec.prompt, None, sp)
+                prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
+            except ValueError as e:
+                error = str(e)
+        if error is not None:
+            failed += 1
+            write_record(out, {"id": rec.id, "error": error})
+    return prompts, failed
+
+
+def result_record(res) -> dict[str, Any]:
+    """The output line of one finished request."""
+    return {"id": res.request_id, "outputs": [
+        {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        for o in res.outputs
+    ]}
+
+
+def show_result(res, prompts: dict[str, Any], prefix: str = "") -> None:
+    tqdm.write(f"{prefix}[{res.request_id}] {prompts[res.request_id]!r}\n"
+               f"  -> {res.outputs[0].text!r}", file=sys.stdout)
+
+
+def summary_line(num_ok: int, failed: int, prompt_tokens: int, generated_tokens: int,
+                 elapsed: float, preemptions: int, hits: int, queries: int) -> str:
+    """The end-of-run summary (one rank, or the sums over a DP group)."""
+    elapsed = max(elapsed, 1e-9)
+    return (
+        f"done: {num_ok} requests ok, {failed} failed | prompt {prompt_tokens} tok, "
+        f"generated {generated_tokens} tok in {elapsed:.1f}s "
+        f"({generated_tokens / elapsed:.1f} tok/s out, "
+        f"{(prompt_tokens + generated_tokens) / elapsed:.1f} tok/s total) | "
+        f"preemptions {preemptions} | prefix-cache hit rate {hits / max(queries, 1):.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        default_params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, n=args.n,
-        )
+        default_params = default_sampling_params(args)
         inputs = list(read_inputs(args.input))
+        if args.dp < 1:
+            raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
+        if args.dp_timeout <= 0:
+            raise ValueError(f"--dp-timeout {args.dp_timeout}: expected seconds > 0")
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         return 2
+    from deepinfer import dp
+
+    if args.dp > 1 or dp.torchrun_world_size() > 1:
+        return dp.generate_dp(args)
+    # Part files left by a killed DP run hold finished records: fold them in first.
+    dp.fold_part_files(args.output, inputs)
     done = load_done_ids(args.output)
     pending = [r for r in inputs if r.id not in done]
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
@@ -161,73 +260,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.output}", file=sys.stderr)
     if not pending:
         return 0
+    mark_duplicates(pending, done)
 
     from deepinfer.engine import LLMEngine
-    from deepinfer.tokenizer import apply_chat_template
 
-    engine = LLMEngine(EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-    ))
-    failed = 0
-    seen: set[str] = set(done)
-    prompts: dict[str, str] = {}
+    engine = LLMEngine(engine_args(args))
     t_start = time.perf_counter()
     with open(args.output, "a", encoding="utf-8") as out:
-        for rec in pending:
-            error = rec.error
-            if error is None and rec.id in seen:
-                error = f"duplicate id {rec.id!r} in the input"
-            if error is None:
-                try:
-                    sp = default_params.replace(**(rec.overrides or {}))
-                    if rec.messages is not None or args.chat:
-                        msgs = rec.messages or [{"role": "user", "content": rec.prompt}]
-                        ids = apply_chat_template(engine.tokenizer, msgs)
-                        engine.add_request(rec.id, None, ids, sp)
-                    else:
-                        engine.add_request(rec.id, rec.prompt, None, sp)
-                    prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
-                except ValueError as e:
-                    error = str(e)
-            seen.add(rec.id)
-            if error is not None:
-                failed += 1
-                _write(out, {"id": rec.id, "error": error})
+        prompts, failed = submit(engine, pending, default_params, args.chat, out)
         num_ok = len(prompts)
         bar = tqdm(total=num_ok, desc="generate", unit="req", disable=args.no_progress,
                    dynamic_ncols=True, file=sys.stderr)
         st = engine.stats
         while engine.has_unfinished():
             for res in engine.step():
-                record = {"id": res.request_id, "outputs": [
-                    {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-                    for o in res.outputs
-                ]}
-                _write(out, record)
+                write_record(out, result_record(res))
                 bar.update(1)
                 if args.show:
-                    tqdm.write(f"[{res.request_id}] {prompts[res.request_id]!r}\n"
-                               f"  -> {res.outputs[0].text!r}", file=sys.stdout)
+                    show_result(res, prompts)
             elapsed = max(time.perf_counter() - t_start, 1e-9)
             bar.set_postfix_str(f"in {st.prompt_tokens / elapsed:.0f} tok/s, "
                                 f"out {st.generated_tokens / elapsed:.0f} tok/s", refresh=False)
         bar.close()
-    elapsed = time.perf_counter() - t_start
     sst = engine.scheduler.stats
-    queries = max(sst.prefix_cache_queries, 1)
-    print(
-        f"done: {num_ok} requests ok, {failed} failed | prompt {st.prompt_tokens} tok, "
-        f"generated {st.generated_tokens} tok in {elapsed:.1f}s "
-        f"({st.generated_tokens / max(elapsed, 1e-9):.1f} tok/s out, "
-        f"{(st.prompt_tokens + st.generated_tokens) / max(elapsed, 1e-9):.1f} tok/s total) | "
-        f"preemptions {sst.num_preemptions} | prefix-cache hit rate "
-        f"{sst.prefix_cache_hits / queries:.1%}",
-        file=sys.stderr,
-    )
+    print(summary_line(num_ok, failed, st.prompt_tokens, st.generated_tokens,
+                       time.perf_counter() - t_start, sst.num_preemptions,
+                       sst.prefix_cache_hits, sst.prefix_cache_queries), file=sys.stderr)
     return 1 if failed else 0
 
 

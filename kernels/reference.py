@@ -2,8 +2,9 @@
 
 They are the test oracle and the CPU execution backend. Shapes follow DESIGN.md:
 K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and a slot is
-``block_id * block_size + offset``. Only the decode/prefill ops loop over sequences in
-Python; that is fine for a reference and for small CPU batches.
+``block_id * block_size + offset``. Decode is batched over sequences (it is the CPU decode
+path of the engine); prefill loops over the sequences of a step in Python, which is fine
+for a reference and for the few prompts of a CPU prompt step.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from scheduler.state_manager import StateManager
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING
 _FINISHED = SequenceStatus.FINISHED
+_TRANSFERRING = SequenceStatus.TRANSFERRING
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -72,6 +73,10 @@ class Scheduler:
         self._run_slots: np.ndarray | None = None  # cached slots of `running` (None: stale)
         self._run_ids: list[int] = []
         self._partial: Sequence | None = None  # prompt cut by chunked prefill, if any
+        # PROMPT engines: sequences handed off (TRANSFERRING) and not yet released, in
+        # hand-off order, and the ones take_handoffs() has not returned yet.
+        self._handoffs: dict[int, Sequence] = {}
+        self._new_handoffs: list[Sequence] = []
         self._requests: dict[str, list[Sequence]] = {}
         self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 0
@@ -127,6 +132,12 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: n={n} samples need {n} state slots, more than "
                 f"max_num_seqs={c.max_num_seqs} (or max_num_batched_tokens)")
+        if n > 1 and c.engine_type is EngineType.PROMPT:
+            # Forked children share their parent's blocks; handing a group off would need
+            # shared-block transfers and COW bookkeeping across engines. Not supported.
+            raise ValueError(
+                f"request {rid!r}: n={n} is not supported with disaggregated prefill "
+                "(a PROMPT engine hands off single sequences only); use n=1")
         stops = tuple(int(t) for t in stop_token_ids)
         with self._lock:
             if rid in self._requests:
@@ -164,7 +175,8 @@ class Scheduler:
             return list(self._requests.get(request_id, ()))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Waiting, running or (PROMPT engine) handed-off sequences not yet released."""
+        return bool(self.waiting or self.running or self._handoffs)
 
     def has_unfinished_dp(self) -> bool:
         """Whether any rank of the DP group has unfinished work (one all-reduce; every
@@ -184,6 +196,118 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    # ================================================================== disaggregation
+    # PROMPT side: update() moves a sequence whose prompt completed and whose first
+    # token was appended to TRANSFERRING instead of running (a PROMPT engine never
+    # decodes). The engine takes it (take_handoffs), ships its tokens, KV blocks and
+    # state row, then releases it (release_handoff). COMPLETION side: add_prefilled
+    # allocates blocks + a slot for such a sequence and puts it straight into running.
+
+    @property
+    def num_handoffs(self) -> int:
+        """Handed-off sequences still holding their blocks and slot (PROMPT engine)."""
+        return len(self._handoffs)
+
+    def take_handoffs(self) -> list[Sequence]:
+        """Sequences that entered TRANSFERRING since the last call, in order. Each keeps
+        its ``blocks`` (the first ``ceil(num_computed_tokens / block_size)`` hold its
+        K/V) and ``slot`` until ``release_handoff``; those finished meanwhile (a stop
+        string in the first token, an abort) are left out."""
+        with self._lock:
+            out = [s for s in self._new_handoffs if s.status is _TRANSFERRING]
+            self._new_handoffs.clear()
+            return out
+
+    def release_handoff(self, seq_id: int) -> Sequence:
+        """Free a handed-off sequence's blocks (full ones stay in the prefix cache) and
+        slot once its transfer completed; it ends here with finish_reason "handoff"."""
+        with self._lock:
+            seq = self._handoffs.get(seq_id)
+            if seq is None:
+                raise ValueError(f"release_handoff: sequence {seq_id} is not handed off")
+            self._finish(seq, "handoff")
+            self._epoch += 1
+            return seq
+
+    def prefilled_blocks(self, prompt_len: int, max_tokens: int) -> int:
+        """KV blocks a prefilled sequence may hold at most on this engine (its last sampled
+        token is never fed back): what ``add_prefilled`` reserves."""
+        return _cdiv(prompt_len + max_tokens - 1, self.block_size)
+
+    def handoff_capacity(self) -> tuple[int, int]:
+        """``(slots, blocks)`` still available to ``add_prefilled``: free state slots, and
+        free KV blocks minus the blocks running sequences may still claim until they reach
+        their length limit. Admitting only within this budget means a running sequence
+        never has to be preempted; a COMPLETION engine could never recompute one."""
+        with self._lock:
+            live = self.state_manager.num_slots - self.state_manager.num_free
+            slots = min(self.state_manager.num_free, self._max_live - live)
+            owed = 0
+            if self.running:
+                rs = self._running_slots()
+                worst = (self._max_len[rs] - 1 + self.block_size - 1) // self.block_size
+                owed = int(np.maximum(worst - self._nblocks[rs], 0).sum())
+            return max(slots, 0), max(self.block_pool.num_free - owed, 0)
+
+    def can_accept(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether ``add_prefilled`` of such a sequence would succeed now (credits)."""
+        slots, blocks = self.handoff_capacity()
+        return slots >= 1 and blocks >= self.prefilled_blocks(prompt_len, max_tokens)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                      output_token_ids: list[int], max_tokens: int, *,
+                      stop_token_ids: _Seq[int] = (), min_tokens: int = 0
+                      ) -> Sequence | None:
+        """Admit a sequence prefilled elsewhere (its first output token(s) sampled there)
+        straight into running. Allocates a state slot and fresh blocks for its
+        ``num_tokens - 1`` computed tokens: the caller fills ``seq.blocks`` with their K/V
+        and ``seq.slot``'s state rows before the next ``schedule()`` (the slot is not
+        zeroed). Returns None, changing nothing, when ``can_accept`` says no
+        (back-pressure); raises ``ValueError`` if it could never be admitted. n = 1 only."""
+        rid = request_id
+        c = self.config
+        prompt = [int(t) for t in prompt_token_ids]
+        outs = [int(t) for t in output_token_ids]
+        if not prompt or not outs:
+            raise ValueError(f"request {rid!r}: add_prefilled needs a prompt and at least "
+                             "one output token")
+        if not isinstance(max_tokens, int) or len(outs) >= max_tokens:
+            raise ValueError(f"request {rid!r}: max_tokens={max_tokens!r} must exceed the "
+                             f"{len(outs)} output tokens already generated")
+        total = len(prompt) + max_tokens
+        if total > c.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({len(prompt)} tokens) + max_tokens "
+                             f"({max_tokens}) = {total} exceeds max_model_len={c.max_model_len}")
+        need = self.prefilled_blocks(len(prompt), max_tokens)
+        if need > c.num_blocks:
+            raise ValueError(f"request {rid!r}: needs {need} KV blocks, more than the whole "
+                             f"cache (num_blocks={c.num_blocks}); it could never finish")
+        with self._lock:
+            if rid in self._requests:
+                raise ValueError(f"request {rid!r}: duplicate request id (still running)")
+            if not self.can_accept(len(prompt), max_tokens):
+                return None
+            seq = Sequence(self._new_seq_id(), rid, 0, prompt, max_tokens,
+                           min_tokens=min_tokens,
+                           stop_token_ids=tuple(int(t) for t in stop_token_ids))
+            seq.output_token_ids = outs
+            ntok = seq.num_tokens
+            slot = self.state_manager.allocate()
+            seq.slot = slot
+            self._len[slot] = ntok
+            self._last_tok[slot] = outs[-1]
+            self._max_len[slot] = total
+            self._nblocks[slot] = 0
+            for _ in range(_cdiv(ntok - 1, self.block_size)):
+                self._append_block(seq, self.block_pool.allocate())
+            seq._computed = ntok - 1
+            seq.admitted = True
+            seq.status = _RUNNING
+            self._track(seq)
+            self.running.append(seq)
+            self._run_slots = None
+            return seq
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutputs:
@@ -540,7 +664,16 @@ class Scheduler:
                 finished = self._apply_samples(out.seqs, tl, register=True)
             else:
                 finished = self._update_decode(out, tl)
-            if finished:
+            handed = False
+            if out.is_prompt and self.config.engine_type is EngineType.PROMPT:
+                # A PROMPT engine never decodes: hand off what would start decoding.
+                for seq in out.sample_seqs:
+                    if seq.status is _RUNNING:
+                        seq.status = _TRANSFERRING
+                        self._handoffs[seq.seq_id] = seq
+                        self._new_handoffs.append(seq)
+                        handed = True
+            if finished or handed:
                 self.running = [s for s in self.running if s.status is _RUNNING]
                 self._run_slots = None
             return finished
@@ -633,6 +766,8 @@ class Scheduler:
             if not bulk:
                 self.running.remove(seq)
                 self._run_slots = None
+        elif seq.status is _TRANSFERRING:
+            del self._handoffs[seq.seq_id]
         else:
             self.waiting.remove(seq)
             if self._partial is seq:
@@ -766,7 +901,7 @@ class Scheduler:
                     assert self._len[seq.slot] == seq.num_tokens
                 else:
                     assert not seq.blocks, "blocks without a slot"
-                if seq.status is _RUNNING:
+                if seq.status in (_RUNNING, _TRANSFERRING):
                     assert seq.slot >= 0
                     assert len(seq.blocks) * self.block_size >= seq.num_tokens - 1
             self.block_pool.check(refs)
@@ -774,7 +909,9 @@ class Scheduler:
             assert sm.num_free == sm.num_slots - len(slots)
             for s in slots:
                 assert sm.is_used(s)
-            assert len(self.running) + len(self.waiting) == len(self._seqs)
+            assert (len(self.running) + len(self.waiting) + len(self._handoffs)
+                    == len(self._seqs))
+            assert all(s.status is _TRANSFERRING for s in self._handoffs.values())
             assert all(s.status is _RUNNING for s in self.running)
             assert all(s.status is _WAITING for s in self.waiting)
             held = [s for s in self.waiting if s.slot >= 0]

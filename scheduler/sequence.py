@@ -8,10 +8,14 @@ from collections.abc import Sequence as _Seq
 
 class SequenceStatus(enum.Enum):
     """``WAITING``: queued (or a prompt part-way through chunked prefill); ``RUNNING``:
-    prompt done, decoding; ``FINISHED``: done, resources freed."""
+    prompt done, decoding; ``TRANSFERRING``: on a PROMPT engine, prompt done and first
+    token sampled, waiting to be handed to a COMPLETION engine (still holds its blocks
+    and slot, never decoded here); ``FINISHED``: done, resources freed (a handed-off
+    sequence ends with finish_reason ``"handoff"`` on the PROMPT side)."""
 
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"
     FINISHED = "finished"
 
 
