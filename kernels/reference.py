@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv(
@@ -25,12 +26,13 @@ def store_kv(
 
     Negative slots are padding and are skipped.
     """
-    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    # A flat [slots, Hkv, D] view: index_copy_ beats advanced-index assignment by ~10x
+    # on CPU.
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])
+        flat.index_copy_(0, slots, src[keep].to(cache.dtype))
 
 
 def _gather_kv(
@@ -39,23 +41,27 @@ def _gather_kv(
     """Gather the first ``length`` cached tokens of one sequence: ``[length, Hkv, D]``."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = block_table_row[:num_blocks].long()
-    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    # index_select: an order of magnitude faster than advanced indexing on CPU.
+    blocks = cache.index_select(0, block_table_row[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor | None) -> torch.Tensor:
-    """q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]`` -> ``[Lq, Hq, D]`` in fp32 math."""
-    hq, hkv = q.shape[1], k.shape[1]
+            mask: torch.Tensor) -> torch.Tensor:
+    """q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``, mask ``[Lq, Lk]`` bool -> ``[Lq, Hq, D]``.
+
+    fp32 math. GQA without repeating K/V: the ``Hq // Hkv`` query heads of a kv head are
+    stacked along the query axis, so one SDPA call per kv head group covers them.
+    """
+    lq, hq, d = q.shape
+    hkv = k.shape[1]
     group = hq // hkv
-    qf = q.float().transpose(0, 1)  # [Hq, Lq, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Lk, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1)  # [Lq, Hq, D]
+    qf = q.float().reshape(lq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * lq, d)
+    o = F.scaled_dot_product_attention(
+        qf, k.float().transpose(0, 1), v.float().transpose(0, 1),
+        attn_mask=mask.repeat(group, 1), scale=scale,
+    )  # [Hkv, G * Lq, D]
+    return o.reshape(hkv, group, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
 
 
 def paged_decode_attention(
@@ -90,17 +96,23 @@ def paged_decode_attention(
     width = block_tables.shape[1]
     if max_seq_len is not None:
         width = min(width, -(-max_seq_len // block_size))
-    blocks = block_tables[:, :width].long()
     length = width * block_size
-    k = k_cache[blocks].reshape(b, length, hkv, d).float()
-    v = v_cache[blocks].reshape(b, length, hkv, d).float()
+    flat = block_tables[:, :width].reshape(-1).long()
+    k = k_cache.index_select(0, flat).reshape(b, length, hkv, d).float()
+    v = v_cache.index_select(0, flat).reshape(b, length, hkv, d).float()
     valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    # Zero what lies past each sequence's end (fresh copies, so in place): a masked
+    # score times a NaN/inf from an unwritten slot would otherwise reach the output.
+    invalid = ~valid[:, :, None, None]
+    k.masked_fill_(invalid, 0.0)
+    v.masked_fill_(invalid, 0.0)
+    # GQA: the group's query heads act as the query axis of one SDPA per kv head.
     qf = q.float().reshape(b, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out.copy_(torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d))
+    o = F.scaled_dot_product_attention(
+        qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
+    out.copy_(o.reshape(b, hq, d))
     return out
 
 
@@ -136,7 +148,7 @@ def paged_prefill_attention(
         q_pos = torch.arange(length - q_len, length, device=q.device)
         k_pos = torch.arange(length, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, Lk]
-        out[s:e] = _attend(q[s:e], k, v, scale, mask[None]).to(out.dtype)
+        out[s:e] = _attend(q[s:e], k, v, scale, mask).to(out.dtype)
     return out
 
 
