@@ -10,6 +10,7 @@ earn nothing.
     python benchmarks/bench_throughput.py --num-requests 256 --min-len 100 --max-len 1024
     python benchmarks/bench_throughput.py --no-hf              # deepinfer only
     python benchmarks/bench_throughput.py --no-hf --dp 2       # + the same run over 2 DP ranks
+    python benchmarks/bench_throughput.py --no-hf --pd 1:1     # + the same run, disaggregated
 
 The test at the bottom runs a tiny workload so the suite exercises this file.
 """
@@ -123,6 +124,56 @@ def run(args: argparse.Namespace) -> dict:
         result["speedup"] = result["deepinfer"]["tok_per_s"] / result["transformers"]["tok_per_s"]
     if getattr(args, "dp", 1) > 1:
         result["deepinfer_dp"] = run_deepinfer_dp(args, wl, result["deepinfer"]["tok_per_s"])
+    if getattr(args, "pd", None):
+        result["deepinfer_pd"] = run_deepinfer_pd(args, wl, result["deepinfer"])
+    return result
+
+
+def run_deepinfer_pd(args: argparse.Namespace, wl: Workload, normal: dict) -> dict:
+    """The same workload through ``run_disaggregated`` (P PROMPT + D COMPLETION processes,
+    KV hand-off over torch.distributed), next to the NORMAL single-engine figures.
+
+    ``seconds`` is the slowest rank's round loop (model loading and process start-up
+    excluded, like the NORMAL run's timing after its warm-up; the PD ranks get no warm-up,
+    which matters on CUDA); ``wall_seconds`` is the whole call, start-up included."""
+    import tempfile
+
+    from deepinfer import SamplingParams
+    from deepinfer.disagg import PDRequest, parse_pd, run_disaggregated
+    from deepinfer.engine_args import EngineArgs
+
+    num_prompt, num_decode = parse_pd(args.pd)
+    eargs = EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                       max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 16)
+    reqs = [PDRequest(str(i), prompt_token_ids=p,
+                      params=SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pd.jsonl")
+        t0 = time.perf_counter()
+        stats = run_disaggregated(eargs, reqs, out, num_prompt, num_decode)
+        wall = time.perf_counter() - t0
+        with open(out) as f:
+            records = [json.loads(line) for line in f]
+    bad = [r for r in records if "error" in r]
+    if bad:
+        raise RuntimeError(f"PD run: {len(bad)} request(s) failed, e.g. {bad[0]['error']}")
+    tokens = sum(len(r["outputs"][0]["token_ids"]) for r in records)
+    seconds = max(s["elapsed"] for s in stats)
+    result = {"pd": f"{num_prompt}:{num_decode}", "seconds": seconds, "wall_seconds": wall,
+              "tokens": tokens, "tok_per_s": tokens / seconds,
+              "vs_normal": tokens / seconds / normal["tok_per_s"],
+              "handed_off": sum(s["handed_off"] for s in stats),
+              "credit_waits": sum(s["credit_waits"] for s in stats),
+              "rounds": max(s["rounds"] for s in stats), "per_rank": stats}
+    if args.device == "cpu" or not torch.cuda.is_available():
+        result["note"] = (
+            f"CPU: {num_prompt + num_decode} processes share the {os.cpu_count()} cores "
+            "(which other jobs may also use) that the NORMAL engine had to itself, every KV "
+            "hand-off is a gloo copy through local TCP, and rounds are lock-step, so a decode "
+            "step waits for its round's prefill step. Slower than NORMAL here is expected: "
+            "disaggregation pays off with one GPU per rank, where prefill and decode stop "
+            "competing for one device (that path is untested)")
     return result
 
 
@@ -240,6 +291,19 @@ def write_results(result: dict, name: str) -> None:
         lines += ["", f"{d['ranks']} ranks / 1 rank: **{d['scaling_vs_1_rank']:.2f}x**"]
         if "note" in d:
             lines += ["", d["note"] + "."]
+    if "deepinfer_pd" in result:
+        d, n = result["deepinfer_pd"], result["deepinfer"]
+        lines += ["", f"## Disaggregated prefill/decode ({d['pd']}) vs NORMAL", "",
+                  "| run | seconds | tokens | tok/s |", "|---|---|---|---|",
+                  f"| NORMAL, 1 engine | {n['seconds']:.2f} | {n['tokens']} | "
+                  f"{n['tok_per_s']:.1f} |",
+                  f"| PD {d['pd']} | {d['seconds']:.2f} | {d['tokens']} | "
+                  f"{d['tok_per_s']:.1f} |", "",
+                  f"PD / NORMAL: **{d['vs_normal']:.2f}x** ({d['handed_off']} hand-offs in "
+                  f"{d['rounds']} rounds, {d['credit_waits']} rounds waiting for credits; "
+                  f"{d['wall_seconds']:.1f}s wall with process start-up and model loading)"]
+        if "note" in d:
+            lines += ["", d["note"] + "."]
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -259,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="results file stem")
     p.add_argument("--dp", type=int, default=1,
                    help="also run the workload over N data-parallel ranks (spawned)")
+    p.add_argument("--pd", default=None, metavar="P:D",
+                   help="also run it disaggregated: P prompt + D completion processes")
     args = p.parse_args(argv)
     result = run(args)
     name = args.name or (f"throughput-{result['device_type']}"
-                         + (f"-dp{args.dp}" if args.dp > 1 else ""))
+                         + (f"-dp{args.dp}" if args.dp > 1 else "")
+                         + (f"-pd{args.pd.replace(':', '-')}" if args.pd else ""))
     write_results(result, name)
     print(json.dumps(result, indent=2))
     return 0

@@ -31,13 +31,20 @@ sequence's worst-case length, so it never preempts: it could not recompute a pro
 
 Limitation: rounds are lock-step, so a decode step waits for the slowest prefill step of
 its round (no overlap inside a round). n > 1 is rejected (ValueError from the scheduler).
+
+Entry points: ``run_disaggregated`` (library; spawns the ranks), ``pd_rank`` (one rank,
+e.g. under torchrun), ``generate_pd`` (``deepinfer-generate --pd P:D``: records, resume,
+error records and summary of the CLI, spawned or under torchrun).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import gc
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import deque
@@ -57,7 +64,7 @@ from deepinfer.dp import (
 )
 from deepinfer.engine import LLMEngine, _RequestState
 from deepinfer.engine_args import EngineArgs
-from deepinfer.outputs import RequestOutput
+from deepinfer.generate import result_record, write_record
 from deepinfer.sampling_params import SamplingParams
 
 # Status row layout (int64), see the module docstring.
@@ -100,11 +107,20 @@ def parse_pd(spec: str) -> tuple[int, int]:
     return p, d
 
 
-def output_record(res: RequestOutput) -> dict[str, Any]:
-    """The ``deepinfer-generate`` output record of a finished request."""
-    return {"id": res.request_id, "outputs": [
-        {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-        for o in res.outputs]}
+def check_pd_params(request_id: str, params: SamplingParams) -> None:
+    """Raise ``ValueError`` for sampling options a disaggregated run cannot serve."""
+    if params.n != 1:
+        raise ValueError(f"request {request_id!r}: n={params.n} is not supported with --pd "
+                         "(disaggregated prefill hands off single sequences); use n=1")
+
+
+def split_requests(requests: list[PDRequest], num_prompt: int, world: int
+                   ) -> list[list[PDRequest]]:
+    """Round-robin over the PROMPT ranks; COMPLETION ranks get empty lists."""
+    per_rank: list[list[PDRequest]] = [[] for _ in range(world)]
+    for i, r in enumerate(requests):
+        per_rank[i % num_prompt].append(r)
+    return per_rank
 
 
 # ====================================================================== engines
@@ -247,24 +263,38 @@ def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
     with ``RankInfo.from_env()``). Appends its output records to
     ``dp.part_path(output_path, rank)`` as requests finish and its counters to
     ``stats_dir/rank{r}.json``. ``requests[r]``: the requests of PROMPT rank r."""
-    rank = info.rank
-    is_prompt = rank < num_prompt
-    args = prompt_args if is_prompt else decode_args
-    device = select_device(args.device, info.local_rank)  # one GPU per rank on CUDA
+    is_prompt = info.rank < num_prompt
+    device = select_device((prompt_args if is_prompt else decode_args).device,
+                           info.local_rank)  # one GPU per rank on CUDA
     init_distributed(info, device, options.timeout_s)
     try:
-        if is_prompt:
-            engine = _build_engine(PromptEngine, args, "prompt", device)
-        else:
-            engine = _build_engine(CompletionEngine, args, "completion", device)
-        loop = _PDLoop(engine, rank, info.world_size, num_prompt, device,
-                       part_path(output_path, rank), options)
-        stats = loop.run(requests[rank] if is_prompt else [])
-        with open(os.path.join(stats_dir, f"rank{rank}.json"), "w") as f:
+        stats = pd_worker(info, device, num_prompt, prompt_args, decode_args,
+                          requests[info.rank], output_path, options)
+        with open(os.path.join(stats_dir, f"rank{info.rank}.json"), "w") as f:
             json.dump(stats, f)
     finally:
+        # Free the engine and the loop's buffers while the interpreter is whole, then the
+        # group: a gloo group torn down at interpreter exit can abort the process (see
+        # deepinfer.dp.generate_rank).
+        gc.collect()
         dist.destroy_process_group()
     return 0
+
+
+def pd_worker(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
+              decode_args: EngineArgs, requests: list[PDRequest], output_path: str,
+              options: PDOptions) -> dict[str, Any]:
+    """The body of ``pd_rank`` inside an initialised default group: build this rank's
+    engine, run the rounds to the end, return its counters. ``requests``: this rank's
+    own (empty on a COMPLETION rank)."""
+    is_prompt = info.rank < num_prompt
+    if is_prompt:
+        engine = _build_engine(PromptEngine, prompt_args, "prompt", device)
+    else:
+        engine = _build_engine(CompletionEngine, decode_args, "completion", device)
+    loop = _PDLoop(engine, info.rank, info.world_size, num_prompt, device,
+                   part_path(output_path, info.rank), options)
+    return loop.run(requests if is_prompt else [])
 
 
 class _PDLoop:
@@ -284,14 +314,17 @@ class _PDLoop:
                                       else "completion", "rounds": 0, "handed_off": 0,
                                       "received": 0, "max_pending": 0, "steps": 0,
                                       # rounds with offers out and none taken (no credits)
-                                      "credit_waits": 0}
+                                      "credit_waits": 0,
+                                      # requests answered with an error record
+                                      "errors": 0}
         self.pending: deque = deque()  # handed-off sequences not yet sent (PROMPT)
         self._row = torch.zeros(5 + self.k, dtype=torch.int64, device=self.dev)
         self._rows = [torch.zeros_like(self._row) for _ in range(world)]
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self.out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        self.out.flush()  # a killed run leaves whole records for the resume
+        write_record(self.out, rec)  # flushed: a killed run leaves whole records
+        if "error" in rec:
+            self.stats["errors"] += 1
 
     def _gather(self, row: list[int]) -> list[list[int]]:
         self._row.copy_(torch.tensor(row, dtype=torch.int64))
@@ -373,7 +406,7 @@ class _PDLoop:
             done = eng.step()
         self.stats["steps"] += 1
         for res in done:  # PROMPT side: requests that ended at their first token
-            self._write(output_record(res))
+            self._write(result_record(res))
 
     def _status(self) -> list[int]:
         row = [0] * (5 + self.k)
@@ -444,13 +477,17 @@ class _PDLoop:
 def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output_path: str,
                       num_prompt: int, num_decode: int, *,
                       decode_args: EngineArgs | None = None,
-                      options: PDOptions | None = None) -> list[dict[str, Any]]:
+                      options: PDOptions | None = None,
+                      order: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Run ``requests`` on ``num_prompt`` PROMPT + ``num_decode`` COMPLETION processes on
     this machine (``dp.spawn_ranks``) and merge one output record per request into
     ``output_path`` in request order (``dp.merge_outputs``; the format of
     ``deepinfer-generate``). ``decode_args``: engine options of the COMPLETION ranks
-    (default ``engine_args``). Returns the per-rank counters. Requests go round-robin to
-    the PROMPT ranks; on CUDA each rank gets its own GPU (P + D GPUs needed)."""
+    (default ``engine_args``). ``order``: position of each id in the merged file (default:
+    request order; records already in ``output_path`` whose id is not in it stay, last).
+    Returns the per-rank counters. Requests go round-robin to the PROMPT ranks; on CUDA
+    each rank gets its own GPU (P + D GPUs needed). Raises ``dp.RankFailedError`` when a
+    rank fails."""
     if num_prompt < 1 or num_decode < 1:
         raise ValueError("run_disaggregated: need at least one prompt and one decode rank")
     decode_args = decode_args or engine_args
@@ -465,16 +502,13 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
         raise ValueError(f"--pd {num_prompt}:{num_decode} needs {world} GPUs, "
                          f"{torch.cuda.device_count()} visible")
     for r in requests:
-        if r.params.n != 1:
-            raise ValueError(f"request {r.request_id!r}: n={r.params.n} is not supported "
-                             "with --pd (disaggregated prefill hands off single sequences)")
-    per_rank: list[list[PDRequest]] = [[] for _ in range(world)]
-    for i, r in enumerate(requests):
-        per_rank[i % num_prompt].append(r)
+        check_pd_params(r.request_id, r.params)
+    per_rank = split_requests(requests, num_prompt, world)
     options = options or PDOptions()
-    order: dict[str, int] = {}
-    for i, r in enumerate(requests):
-        order.setdefault(r.request_id, i)
+    if order is None:
+        order = {}
+        for i, r in enumerate(requests):
+            order.setdefault(r.request_id, i)
     with tempfile.TemporaryDirectory() as stats_dir:
         spawn_ranks(pd_rank, world, (num_prompt, engine_args, decode_args, per_rank,
                                      output_path, stats_dir, options))
@@ -484,3 +518,169 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
             with open(os.path.join(stats_dir, f"rank{r}.json")) as f:
                 stats.append(json.load(f))
     return stats
+
+
+# ====================================================================== the CLI
+def generate_pd(args: argparse.Namespace, inputs: list) -> int:
+    """``deepinfer-generate --pd P:D``: the records, error records, resume, exit status
+    and summary of a one-engine run, through P PROMPT + D COMPLETION processes. Spawns
+    them on this machine, or, under torchrun (WORLD_SIZE must be P + D), this process is
+    one of them. ``inputs``: the parsed input records."""
+    from deepinfer.dp import EXIT_RANK_FAILED, RankFailedError, input_order, torchrun_world_size
+    from deepinfer.generate import engine_args, load_resume_state, pending_records
+
+    num_prompt, num_decode = parse_pd(args.pd)
+    world = torchrun_world_size()
+    if world:
+        if world != num_prompt + num_decode:
+            print(f"deepinfer-generate: --pd {args.pd} needs WORLD_SIZE="
+                  f"{num_prompt + num_decode}; the launcher set {world}", file=sys.stderr)
+            return 2
+        return _generate_pd_torchrun(args, inputs, num_prompt)
+    pending = pending_records(inputs, load_resume_state(args.output, inputs), args.output)
+    if not pending:
+        return 0
+    requests, failed = pd_requests(pending, args)
+    stats: list[dict[str, Any]] = []
+    if requests:
+        try:
+            stats = run_disaggregated(engine_args(args), requests, args.output, num_prompt,
+                                      num_decode, options=PDOptions(timeout_s=args.dp_timeout),
+                                      order=input_order(inputs))
+        except ValueError as e:  # engine options, or too few GPUs for P + D ranks
+            print(f"deepinfer-generate: {e}", file=sys.stderr)
+            return 2
+        except RankFailedError as e:
+            print(f"deepinfer-generate: {e}; the other ranks were stopped. Records already "
+                  "written are kept: rerun the same command to finish.", file=sys.stderr)
+            return EXIT_RANK_FAILED
+    return _pd_report(args, requests, failed, stats)
+
+
+def pd_requests(pending: list, args: argparse.Namespace) -> tuple[list[PDRequest], int]:
+    """``PDRequest``s of the good records; the others (bad line, invalid sampling values,
+    n > 1) are appended to ``args.output`` as error records at once. Returns the requests
+    and the number of error records. Checks that need the tokenizer or the engines'
+    sizes (an over-long prompt) are made by the PROMPT ranks, which write those errors."""
+    from deepinfer.generate import default_sampling_params, resolve_record
+
+    default_params = default_sampling_params(args)
+    requests: list[PDRequest] = []
+    failed = 0
+    with open(args.output, "a", encoding="utf-8") as out:
+        for rec in pending:
+            error = rec.error
+            if error is None:
+                try:
+                    sp, prompt, messages = resolve_record(rec, default_params, args.chat)
+                    check_pd_params(rec.id, sp)
+                    requests.append(PDRequest(rec.id, prompt=prompt, messages=messages,
+                                              params=sp))
+                except ValueError as e:
+                    error = str(e)
+            if error is not None:
+                failed += 1
+                write_record(out, {"id": rec.id, "error": error})
+    return requests, failed
+
+
+def _pd_report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
+               stats: list[dict[str, Any]]) -> int:
+    """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
+    model loading excluded as in a one-engine run), ``--show``, and the exit status."""
+    from deepinfer.generate import summary_line
+
+    def total(key: str) -> int:
+        return sum(s[key] for s in stats)
+
+    errors = total("errors")
+    failed += errors
+    if args.show and requests:
+        _show_records(args.output, {r.request_id: r.prompt if r.prompt is not None
+                                    else r.messages for r in requests})
+    print(summary_line(len(requests) - errors, failed, total("prompt_tokens"),
+                       total("generated_tokens"), max((s["elapsed"] for s in stats),
+                                                      default=0.0),
+                       total("preemptions"), total("prefix_cache_hits"),
+                       total("prefix_cache_queries")), file=sys.stderr)
+    if stats:
+        print(f"pd: {sum(s['role'] == 'prompt' for s in stats)} prompt + "
+              f"{sum(s['role'] == 'completion' for s in stats)} completion ranks, "
+              f"{total('handed_off')} sequences handed off in "
+              f"{max(s['rounds'] for s in stats)} rounds, "
+              f"{total('credit_waits')} rounds waiting for decode credits", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _show_records(output: str, prompts: dict[str, Any]) -> None:
+    """``--show`` for a PD run: results are printed once merged (the ranks write part
+    files; no process sees them as they finish)."""
+    with open(output, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["id"] in prompts and "outputs" in rec:
+                print(f"[{rec['id']}] {prompts[rec['id']]!r}\n"
+                      f"  -> {rec['outputs'][0]['text']!r}")
+
+
+def _generate_pd_torchrun(args: argparse.Namespace, inputs: list, num_prompt: int) -> int:
+    """One process of a torchrun-launched ``--pd`` run. Rank 0 alone prepares the output
+    (resume, early error records) and sends the requests to all; after the rounds it
+    merges the part files. Returns the run's exit status (3: a rank failed)."""
+    from deepinfer.dp import (
+        EXIT_RANK_FAILED,
+        RankFailedError,
+        _destroy,
+        input_order,
+    )
+    from deepinfer.generate import engine_args, load_resume_state, pending_records
+
+    info = RankInfo.from_env()
+    rank0 = info.rank == 0
+    try:
+        device = select_device(args.device, info.local_rank)
+    except RankFailedError as e:
+        print(f"deepinfer-generate: {e}", file=sys.stderr)
+        return EXIT_RANK_FAILED
+    init_distributed(info, device, args.dp_timeout)
+    status = 0
+    try:
+        payload: list[Any] = [None]
+        if rank0:
+            pending = pending_records(inputs, load_resume_state(args.output, inputs),
+                                      args.output)
+            payload = [pd_requests(pending, args) if pending else ([], 0)]
+        dist.broadcast_object_list(payload, src=0)
+        requests, failed = payload[0]
+        stats: list[dict[str, Any]] = []
+        if requests:
+            eargs = engine_args(args)
+            mine = split_requests(requests, num_prompt, info.world_size)[info.rank]
+            own = pd_worker(info, device, num_prompt, eargs, eargs, mine, args.output,
+                            PDOptions(timeout_s=args.dp_timeout))
+            stats = [None] * info.world_size  # type: ignore[list-item]
+            # Also the point after which every part file is complete and closed.
+            dist.all_gather_object(stats, own)
+            if rank0:
+                parts = [part_path(args.output, r) for r in range(info.world_size)]
+                missing = [p for p in parts if not os.path.exists(p)]
+                if missing:
+                    raise RankFailedError(
+                        f"rank 0 cannot see {missing[0]}: the output folder must be shared "
+                        "by all nodes; part files stay where they are")
+                merge_outputs(args.output, input_order(inputs), parts)
+        if rank0 and (requests or failed):
+            status = _pd_report(args, requests, failed, stats)
+        else:
+            status = 1 if failed + sum(s["errors"] for s in stats) else 0
+        # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
+        dist.barrier()
+    except RuntimeError as e:
+        # gloo: "Connection closed by peer" when a rank dies; NCCL/gloo: a timeout.
+        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        print(f"deepinfer-generate: rank {info.rank}: {first}", file=sys.stderr)
+        status = EXIT_RANK_FAILED
+    finally:
+        gc.collect()  # free the group's last users before the group (see deepinfer.dp)
+        _destroy()
+    return status

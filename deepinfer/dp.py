@@ -139,7 +139,12 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result = fn(RankInfo(local_rank, nprocs, local_rank, nprocs), *fn_args)
     if local_rank == 0:
-        result_queue.put(result)
+        result_queue.put(result)  # SimpleQueue: written to the pipe before put returns
+    # Skip interpreter teardown: its records are flushed and closed, and gloo's worker
+    # threads can abort a process whose C++ state is destroyed at exit (a rare SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any:
@@ -380,8 +385,8 @@ def _generate_rank(info: RankInfo, args: argparse.Namespace, device: str, inputs
     from deepinfer.generate import (
         default_sampling_params,
         engine_args,
-        load_done_ids,
-        mark_duplicates,
+        load_resume_state,
+        pending_records,
         result_record,
         show_result,
         submit,
@@ -396,18 +401,12 @@ def _generate_rank(info: RankInfo, args: argparse.Namespace, device: str, inputs
     # line), then tells the others what is done so that all split the same pending list.
     payload: list[Any] = [None]
     if rank0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        fold_part_files(args.output, inputs)
-        payload = [sorted(load_done_ids(args.output))]
+        payload = [sorted(load_resume_state(args.output, inputs))]
     dist.broadcast_object_list(payload, src=0)
     done = set(payload[0])
-    pending = [r for r in inputs if r.id not in done]
-    if rank0 and done:
-        print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
-              f"{args.output}", file=sys.stderr)
+    pending = pending_records(inputs, done, args.output, announce=rank0)
     if not pending:
         return 0
-    mark_duplicates(pending, done)
     mine = pending[info.rank::info.world_size]  # round-robin share
 
     # Every rank builds an engine, even with no records: its scheduler must vote.

@@ -5,6 +5,10 @@ Input: ``.txt`` (one prompt per line) or ``.jsonl`` (objects with optional ``id`
 ``sampling_params``). Output: ``.jsonl``, one record per input with ``id`` and either
 ``outputs`` or ``error``, appended as requests finish. Rerunning with the same output
 file resumes: ids already there are skipped.
+
+Three ways to run: one engine (default), data parallel (``--dp N`` or torchrun; see
+``deepinfer.dp``) and disaggregated prefill/decode (``--pd P:D``; see ``deepinfer.disagg``).
+They share the record handling below: parsing, error records, resume, summary.
 """
 
 from __future__ import annotations
@@ -144,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel ranks on this machine (one GPU each on CUDA; "
                         "ignored under torchrun, which sets the ranks)")
     p.add_argument("--dp-timeout", type=float, default=120.0,
-                   help="seconds a rank waits on the others before giving up (DP runs)")
+                   help="seconds a rank waits on the others before giving up (DP and PD "
+                        "runs)")
+    p.add_argument("--pd", default=None, metavar="P:D",
+                   help="disaggregated prefill/decode: P prompt + D completion engines, "
+                        "spawned on this machine (one GPU each on CUDA), or under torchrun "
+                        "with WORLD_SIZE = P + D; n = 1 only")
     return p
 
 
@@ -177,6 +186,40 @@ def mark_duplicates(pending: list[InputRecord], done: set[str]) -> None:
         seen.add(rec.id)
 
 
+def load_resume_state(output: str, inputs: list[InputRecord]) -> set[str]:
+    """Prepare ``output`` for a run and return the ids already done: create its folder,
+    fold in part files left by a killed DP/PD run (they hold finished records), cut a
+    torn last line. Only one process of a run may call this (it rewrites the file)."""
+    from deepinfer.dp import fold_part_files
+
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fold_part_files(output, inputs)
+    return load_done_ids(output)
+
+
+def pending_records(inputs: list[InputRecord], done: set[str], output: str,
+                    announce: bool = True) -> list[InputRecord]:
+    """The records still to run, repeated ids turned into error records; ``announce``
+    prints the resume line (one process of a run)."""
+    pending = [r for r in inputs if r.id not in done]
+    if announce and done:
+        print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
+              f"{output}", file=sys.stderr)
+    mark_duplicates(pending, done)
+    return pending
+
+
+def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
+                   ) -> tuple[SamplingParams, str | None, list[dict[str, str]] | None]:
+    """``(params, prompt, messages)`` of a good record: its sampling overrides applied and,
+    with ``chat``, a plain prompt wrapped as one user message. Raises ``ValueError`` for
+    invalid sampling values."""
+    sp = default_params.replace(**(rec.overrides or {}))
+    if rec.messages is not None or chat:
+        return sp, None, rec.messages or [{"role": "user", "content": rec.prompt}]
+    return sp, rec.prompt, None
+
+
 def submit(engine, records: list[InputRecord], default_params: SamplingParams,
            chat: bool, out: TextIO) -> tuple[dict[str, Any], int]:
     """Queue ``records`` on ``engine``; bad ones are written to ``out`` as error records.
@@ -192,13 +235,12 @@ def submit(engine, records: list[InputRecord], default_params: SamplingParams,
         error = rec.error
         if error is None:
             try:
-                sp = default_params.replace(**(rec.overrides or {}))
-                if rec.messages is not None or chat:
-                    msgs = rec.messages or [{"role": "user", "content": rec.prompt}]
+                sp, prompt, msgs = resolve_record(rec, default_params, chat)
+                if msgs is not None:
                     ids = apply_chat_template(engine.tokenizer, msgs)
                     engine.add_request(rec.id, None, ids, sp)
                 else:
-                    engine.add_request(rec.id, rec.prompt, None, sp)
+                    engine.add_request(rec.id, prompt, None, sp)
                 prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
             except ValueError as e:
                 error = str(e)
@@ -243,24 +285,30 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
         if args.dp_timeout <= 0:
             raise ValueError(f"--dp-timeout {args.dp_timeout}: expected seconds > 0")
+        if args.pd is not None:
+            from deepinfer.disagg import parse_pd
+
+            parse_pd(args.pd)
+            if args.dp > 1:
+                # Each PD process is one engine of one role; a DP group of PD groups
+                # would need a second level of process groups. Not implemented.
+                raise ValueError(f"--pd {args.pd} and --dp {args.dp} cannot be combined: "
+                                 "use --pd alone (more P or D ranks) or --dp alone")
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         return 2
     from deepinfer import dp
 
+    if args.pd is not None:
+        from deepinfer.disagg import generate_pd
+
+        return generate_pd(args, inputs)
     if args.dp > 1 or dp.torchrun_world_size() > 1:
         return dp.generate_dp(args)
-    # Part files left by a killed DP run hold finished records: fold them in first.
-    dp.fold_part_files(args.output, inputs)
-    done = load_done_ids(args.output)
-    pending = [r for r in inputs if r.id not in done]
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    if done:
-        print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
-              f"{args.output}", file=sys.stderr)
+    done = load_resume_state(args.output, inputs)
+    pending = pending_records(inputs, done, args.output)
     if not pending:
         return 0
-    mark_duplicates(pending, done)
 
     from deepinfer.engine import LLMEngine
 
