@@ -15,18 +15,17 @@ On CPU the same file runs the reference ops and the interpreted Triton ops at ti
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from results_meta import git_commit, utc_now
 
 import kernels
 from kernels import reference
@@ -284,15 +283,6 @@ def test_bench_copy_bandwidth(benchmark):
     benchmark(run)
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, timeout=10,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git on the machine, or not a checkout
-        return os.environ.get("GIT_COMMIT", "unknown")
-
-
 def _markdown(meta: dict, rows: list[dict]) -> str:
     cols = ["op", "case", "impl", "ms", "GB/s", "TFLOP/s", "triton_speedup"]
     lines = [f"# Kernel benchmarks: {meta['device']}", "",
@@ -317,8 +307,8 @@ def _write_results(tmp_path_factory):
     name = torch.cuda.get_device_name() if IS_CUDA else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     meta = {
-        "device": name, "commit": _git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": name, "commit": git_commit(),
+        "date": utc_now(),
         "torch": torch.__version__, "triton": triton.__version__,
         "dtype": str(DTYPE).replace("torch.", ""), "heads": f"{HQ}q/{HKV}kv x {D}",
         "block_size": BS, "flash_attn": flash_attn_with_kvcache is not None,

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ import pytest
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from results_meta import git_commit, utc_now  # noqa: E402
 
 from scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
@@ -127,8 +128,7 @@ def main() -> None:
     if args.save:
         out = Path(__file__).resolve().parent / "results"
         out.mkdir(exist_ok=True)
-        meta = {"commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                               time.gmtime()),
+        meta = {"commit": git_commit(), "date": utc_now(),
                 "machine": platform.machine(), "cpus": os.cpu_count()}
         data = {**meta, "us_per_step": {name: t * 1e6 for name, t, _ in rows},
                 "decode_1024_vs_256": ratio}
@@ -137,15 +137,6 @@ def main() -> None:
                 f"commit {meta['commit']}, {meta['date']}, "
                 "`python benchmarks/bench_scheduler.py --save`\n\n")
         (out / "scheduler-cpu.md").write_text(head + "\n".join(lines) + "\n")
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

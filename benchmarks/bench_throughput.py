@@ -18,18 +18,17 @@ The test at the bottom runs a tiny workload so the suite exercises this file.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from results_meta import git_commit, utc_now
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -87,14 +86,6 @@ def run_hf(model, wl: Workload, batch_size: int, pad_id: int) -> tuple[float, in
     return time.perf_counter() - t0, counted
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=RESULTS).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> dict:
     from deepinfer import LLM
 
@@ -108,8 +99,8 @@ def run(args: argparse.Namespace) -> dict:
                    else platform.processor() or platform.machine()),
         "device_type": llm.engine.device.type,
         "threads": torch.get_num_threads(),
-        "commit": _git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "date": utc_now(),
         "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "dtype": str(llm.engine.dtype),
         "num_requests": args.num_requests, "len_range": [args.min_len, args.max_len],

@@ -79,33 +79,30 @@ def paged_decode_attention(
 
     q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32.
     Returns ``[B, Hq, D]`` in q's dtype (written into ``out`` when given).
-    ``num_splits`` only steers the Triton kernel (accepted so the backends are
-    interchangeable); ``max_seq_len``, when given, bounds the block-table columns read.
+    ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
+    two backends are interchangeable.
     """
-    del num_splits
+    del num_splits, max_seq_len  # the oracle reads every table column; hints can't hurt it
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    # Batched over sequences (this is also the CPU execution path): gather every
-    # sequence's blocks, mask keys past its length. Masked values are zeroed too, since
-    # 0 * NaN from uninitialised slots would otherwise leak into the output.
+    # Batched over sequences (this is also the CPU decode path): gather every sequence's
+    # tokens by slot. Positions past a sequence's end read its position 0 instead of
+    # whatever the block holds there (never-written slots may hold NaN/inf, and a masked
+    # score times NaN is still NaN); the attention mask hides them.
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     width = block_tables.shape[1]
-    if max_seq_len is not None:
-        width = min(width, -(-max_seq_len // block_size))
     length = width * block_size
-    flat = block_tables[:, :width].reshape(-1).long()
-    k = k_cache.index_select(0, flat).reshape(b, length, hkv, d).float()
-    v = v_cache.index_select(0, flat).reshape(b, length, hkv, d).float()
-    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    # Zero what lies past each sequence's end (fresh copies, so in place): a masked
-    # score times a NaN/inf from an unwritten slot would otherwise reach the output.
-    invalid = ~valid[:, :, None, None]
-    k.masked_fill_(invalid, 0.0)
-    v.masked_fill_(invalid, 0.0)
+    pos = torch.arange(length, device=q.device)
+    table = block_tables[:, :width].long()
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L]
+    slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
+    k, v = (cache.view(-1, hkv, d).index_select(0, slots).view(b, length, hkv, d).float()
+            for cache in (k_cache, v_cache))
     # GQA: the group's query heads act as the query axis of one SDPA per kv head.
     qf = q.float().reshape(b, hkv, hq // hkv, d)
     o = F.scaled_dot_product_attention(
