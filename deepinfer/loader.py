@@ -12,12 +12,10 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
-from gguf import GGUFReader
 from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer.config import ModelConfig
-from deepinfer.loading.gguf_file import check_gguf_types, gguf_config, iter_gguf
 from deepinfer.loading.safetensors_files import (
     count_tensors,
     iter_safetensors,
@@ -105,6 +103,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     path = resolve_model_path(path)
     dev = torch.device(device)
     if path.endswith(".gguf"):
+        # Imported here: the gguf package is only needed for GGUF files.
+        from gguf import GGUFReader
+
+        from deepinfer.loading.gguf_file import check_gguf_types, gguf_config, iter_gguf
+
         reader = GGUFReader(path)
         check_gguf_types(reader)
         cfg = gguf_config(reader)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU CI for the kernels: compiled Triton tests, then the kernel benchmarks (saved).
+# GPU CI: compiled Triton kernel tests, kernel benchmarks (saved), the engine's CUDA path
+# (graphs, memory sizing) and end-to-end throughput at nano-vllm scale.
 #
 #   scripts/gpu_ci.sh            # from anywhere; uses $PYTHON or `python` from PATH
 #   OUT=/some/dir scripts/gpu_ci.sh   # also put results (json/md, junit xml) into $OUT
@@ -38,13 +39,26 @@ echo "== kernel benchmarks =="
 DEEPINFER_BENCH_SAVE=1 "$PY" -m pytest "${BASE_OPTS[@]}" benchmarks/bench_kernels.py -q \
     || status=$?
 
+echo "== engine on CUDA (compiled kernels, CUDA graphs, memory-sized KV cache) =="
+"$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_engine.py tests/engine/test_llm.py -q \
+    -k "cuda or tiny" || status=$?
+
+# nano-vllm's workload scale on a random-weight model of Qwen3-0.6B's shapes (weights
+# cannot be downloaded there; only the shapes matter for speed).
+echo "== end-to-end throughput =="
+MODEL_DIR="${TMPDIR:-/tmp}/deepinfer-qwen3-0.6b-random"
+[ -d "$MODEL_DIR" ] || "$PY" -m deepinfer.random_model --preset qwen3-0.6b --out "$MODEL_DIR" \
+    || status=$?
+"$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --num-requests 256 --min-len 100 \
+    --max-len 1024 --no-hf --name throughput-cuda || status=$?
+
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
-    cp benchmarks/results/kernels-* "$OUT"/ 2>/dev/null || true
+    cp benchmarks/results/kernels-* benchmarks/results/throughput-cuda* "$OUT"/ 2>/dev/null || true
 fi
 
 echo "== summary =="
-for md in benchmarks/results/kernels-*.md; do
+for md in benchmarks/results/kernels-*.md benchmarks/results/throughput-cuda.md; do
     [ -e "$md" ] || continue
     case "$md" in *cpu.md) continue ;; esac
     cat "$md"

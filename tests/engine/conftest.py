@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from deepinfer.random_model import build_bpe_tokenizer
+
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
@@ -54,7 +56,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
 
     out = {}
     root = tmp_path_factory.mktemp("tiny_models")
-    tokenizer = _tiny_tokenizer()
+    tokenizer = build_bpe_tokenizer()
     for i, (name, cfg) in enumerate(_tiny_configs().items()):
         torch.manual_seed(1000 + i)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -71,38 +73,6 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
         tokenizer.save_pretrained(path)
         out[name] = TinyCheckpoint(name, path, model)
     return out
-
-
-_CORPUS = [
-    "the quick brown fox jumps over the lazy dog", "hello world, hello engine",
-    "paged attention stores keys and values in blocks", "a b c d e f g h i j k",
-    "once upon a time there was a small model", "0123456789 + - * / = ( )",
-]
-
-
-def _tiny_tokenizer():
-    """A real byte-level BPE tokenizer whose vocabulary fits the tiny models (< 300 ids).
-
-    Ids 0, 1, 2 are <unk>, <s>, </s>, matching the configs' bos/eos ids.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=290, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tk.train_from_iterator(_CORPUS, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>")
-    tok.chat_template = (
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
-    return tok
 
 
 def _smollm2_path() -> str | None:
