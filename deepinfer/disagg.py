@@ -632,6 +632,7 @@ def _generate_pd_torchrun(args: argparse.Namespace, inputs: list, num_prompt: in
         RankFailedError,
         _destroy,
         input_order,
+        merge_rank_parts,
     )
     from deepinfer.generate import engine_args, load_resume_state, pending_records
 
@@ -662,13 +663,7 @@ def _generate_pd_torchrun(args: argparse.Namespace, inputs: list, num_prompt: in
             # Also the point after which every part file is complete and closed.
             dist.all_gather_object(stats, own)
             if rank0:
-                parts = [part_path(args.output, r) for r in range(info.world_size)]
-                missing = [p for p in parts if not os.path.exists(p)]
-                if missing:
-                    raise RankFailedError(
-                        f"rank 0 cannot see {missing[0]}: the output folder must be shared "
-                        "by all nodes; part files stay where they are")
-                merge_outputs(args.output, input_order(inputs), parts)
+                merge_rank_parts(args.output, input_order(inputs), info.world_size)
         if rank0 and (requests or failed):
             status = _pd_report(args, requests, failed, stats)
         else:

@@ -290,6 +290,21 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
         os.remove(p)
 
 
+def merge_rank_parts(output: str, order: list[str], world_size: int) -> None:
+    """Rank 0, once every rank closed its part: merge all parts into ``output``.
+
+    Raises ``RankFailedError`` if a part is not visible here (multi-node runs need the
+    output folder on a filesystem every node shares).
+    """
+    parts = [part_path(output, r) for r in range(world_size)]
+    missing = [p for p in parts if not os.path.exists(p)]
+    if missing:
+        raise RankFailedError(
+            f"rank 0 cannot see {missing[0]}: the output folder must be shared by all "
+            "nodes; part files stay where they are")
+    merge_outputs(output, order, parts)
+
+
 def input_order(inputs) -> dict[str, int]:
     """First input position of each id."""
     order: dict[str, int] = {}
@@ -446,13 +461,7 @@ def _generate_rank(info: RankInfo, args: argparse.Namespace, device: str, inputs
     elapsed = time.perf_counter() - t_start
     dist.barrier()  # every part file is complete and closed
     if rank0:
-        parts = [part_path(args.output, r) for r in range(info.world_size)]
-        missing = [p for p in parts if not os.path.exists(p)]
-        if missing:
-            raise RankFailedError(
-                f"rank 0 cannot see {missing[0]}: the output folder must be shared by all "
-                "nodes; part files stay where they are")
-        merge_outputs(args.output, order, parts)
+        merge_rank_parts(args.output, order, info.world_size)
         print(summary_line(*totals[:4], elapsed, *totals[4:]), file=sys.stderr)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits 1.
     dist.barrier()
