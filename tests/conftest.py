@@ -9,3 +9,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# CI runs the same hypothesis examples every time (a failure there is reproducible);
+# local runs keep exploring new ones.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
