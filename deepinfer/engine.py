@@ -44,7 +44,6 @@ class _RequestState:
     stop_token_ids: frozenset[int]
     samples: dict[int, _SampleState] = field(default_factory=dict)
     num_finished: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -98,11 +98,20 @@ class RotaryEmbedding(nn.Module):
         """Recompute the cache (after ``to_empty`` left it uninitialised)."""
         self.cos_sin_cache = self._compute(dtype, device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated q, k."""
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> ``(cos, sin)``, each ``[T, 1, D/2]``.
+
+        Gathered once per step and shared by every layer (see :func:`apply_rotary`).
+        """
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos, sin
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[T, Hq, D]``, k ``[T, Hkv, D]``, ``RotaryEmbedding(positions)`` -> rotated q, k."""
+    cos, sin = cos_sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from deepinfer.attention import Attention, AttentionMetadata
 from deepinfer.config import ModelConfig
-from deepinfer.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from deepinfer.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -42,20 +42,21 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: Any) -> torch.Tensor:
-        """x ``[T, hidden]``; layer_cache ``[2, NB, BS, Hkv, D]`` -> ``[T, hidden]``."""
+        """x ``[T, hidden]``; cos_sin from ``RotaryEmbedding``; layer_cache
+        ``[2, NB, BS, Hkv, D]`` -> ``[T, hidden]``."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        # q/k come out of RoPE contiguous; v is a strided view of the fused output, made
-        # contiguous so backends may assume dense [T, H, D] inputs (cheap: T*Hkv*D).
-        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        # v stays a strided view of the fused output: it only feeds store_kv, which takes
+        # any row stride (unit last stride).
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         o = self.attn(q, k, v, layer_cache[0], layer_cache[1], meta, backend)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -82,11 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, layer_cache,
-                               meta, backend)
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), layer_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,8 +140,9 @@ class LlamaForCausalLM(nn.Module):
             ``[T, hidden_size]`` final-normed hidden states, model dtype.
         """
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions)  # one gather per step, shared by all layers
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, self.rotary, kv_cache[i], meta, backend)
+            x = layer(cos_sin, x, kv_cache[i], meta, backend)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
