@@ -55,16 +55,32 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.dp import (
+    EXIT_RANK_FAILED,
+    RankFailedError,
     RankInfo,
+    _comm_device,
+    _destroy,
     init_distributed,
+    input_order,
     merge_outputs,
+    merge_rank_parts,
     part_path,
     select_device,
     spawn_ranks,
+    torchrun_world_size,
 )
 from deepinfer.engine import LLMEngine, _RequestState
 from deepinfer.engine_args import EngineArgs
-from deepinfer.generate import result_record, write_record
+from deepinfer.generate import (
+    default_sampling_params,
+    engine_args,
+    load_resume_state,
+    pending_records,
+    resolve_record,
+    result_record,
+    summary_line,
+    write_record,
+)
 from deepinfer.sampling_params import SamplingParams
 
 # Status row layout (int64), see the module docstring.
@@ -219,8 +235,7 @@ def _unpack(runner, payload: torch.Tensor, blocks: list[int], slots: list[int]) 
         off += n
 
 
-def assign_offers(rows: list[list[int]], num_prompt: int, block_need_ok=None
-                  ) -> list[tuple[int, int, int]]:
+def assign_offers(rows: list[list[int]], num_prompt: int) -> list[tuple[int, int, int]]:
     """Deterministic routing from the gathered status rows: ``(prompt rank, offer index,
     decode rank)`` triples. Offers go round-robin over PROMPT ranks, in order per rank,
     each to the COMPLETION rank with the most free blocks among those with a free slot
@@ -306,7 +321,7 @@ class _PDLoop:
         self.world = world
         self.num_prompt = num_prompt
         self.is_prompt = rank < num_prompt
-        self.dev = torch.device(device) if device.startswith("cuda") else torch.device("cpu")
+        self.dev = _comm_device(device)
         self.k = options.max_offers
         self.max_pending = options.max_pending or self.sched.config.max_num_seqs
         self.out = open(part, "a", encoding="utf-8")
@@ -338,7 +353,6 @@ class _PDLoop:
         from deepinfer.tokenizer import apply_chat_template
 
         eng = self.engine
-        bs = self.sched.block_size
         max_blocks = max(nb for nb, _ in decode_cfg)
         max_len = max(ml for _, ml in decode_cfg)
         for r in requests:
@@ -349,7 +363,7 @@ class _PDLoop:
                 elif ids is None:
                     ids = eng.tokenize(r.prompt) if r.prompt is not None else None
                 if ids is not None:
-                    need = -(-(len(ids) + r.params.max_tokens - 1) // bs)
+                    need = self.sched.prefilled_blocks(len(ids), r.params.max_tokens)
                     if need > max_blocks or len(ids) + r.params.max_tokens > max_len:
                         raise ValueError(
                             f"request {r.request_id!r}: prompt + max_tokens needs {need} KV "
@@ -362,8 +376,6 @@ class _PDLoop:
     # ------------------------------------------------------------------ loop
     def run(self, requests: list[PDRequest]) -> dict[str, Any]:
         c = self.sched.config
-        if c.block_size != self.sched.block_size:  # pragma: no cover - config invariant
-            raise RuntimeError("block size mismatch")
         # Setup exchange: block size, KV blocks and positions of every rank.
         cfg = self._gather([int(self.is_prompt), c.block_size, c.num_blocks, c.max_model_len]
                            + [0] * (self.k + 1))
@@ -506,9 +518,7 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
     per_rank = split_requests(requests, num_prompt, world)
     options = options or PDOptions()
     if order is None:
-        order = {}
-        for i, r in enumerate(requests):
-            order.setdefault(r.request_id, i)
+        order = input_order(r.request_id for r in requests)
     with tempfile.TemporaryDirectory() as stats_dir:
         spawn_ranks(pd_rank, world, (num_prompt, engine_args, decode_args, per_rank,
                                      output_path, stats_dir, options))
@@ -526,8 +536,6 @@ def generate_pd(args: argparse.Namespace, inputs: list) -> int:
     and summary of a one-engine run, through P PROMPT + D COMPLETION processes. Spawns
     them on this machine, or, under torchrun (WORLD_SIZE must be P + D), this process is
     one of them. ``inputs``: the parsed input records."""
-    from deepinfer.dp import EXIT_RANK_FAILED, RankFailedError, input_order, torchrun_world_size
-    from deepinfer.generate import engine_args, load_resume_state, pending_records
 
     num_prompt, num_decode = parse_pd(args.pd)
     world = torchrun_world_size()
@@ -546,7 +554,7 @@ def generate_pd(args: argparse.Namespace, inputs: list) -> int:
         try:
             stats = run_disaggregated(engine_args(args), requests, args.output, num_prompt,
                                       num_decode, options=PDOptions(timeout_s=args.dp_timeout),
-                                      order=input_order(inputs))
+                                      order=input_order(r.id for r in inputs))
         except ValueError as e:  # engine options, or too few GPUs for P + D ranks
             print(f"deepinfer-generate: {e}", file=sys.stderr)
             return 2
@@ -562,7 +570,6 @@ def pd_requests(pending: list, args: argparse.Namespace) -> tuple[list[PDRequest
     n > 1) are appended to ``args.output`` as error records at once. Returns the requests
     and the number of error records. Checks that need the tokenizer or the engines'
     sizes (an over-long prompt) are made by the PROMPT ranks, which write those errors."""
-    from deepinfer.generate import default_sampling_params, resolve_record
 
     default_params = default_sampling_params(args)
     requests: list[PDRequest] = []
@@ -588,7 +595,6 @@ def _pd_report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
                stats: list[dict[str, Any]]) -> int:
     """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
     model loading excluded as in a one-engine run), ``--show``, and the exit status."""
-    from deepinfer.generate import summary_line
 
     def total(key: str) -> int:
         return sum(s[key] for s in stats)
@@ -627,14 +633,6 @@ def _generate_pd_torchrun(args: argparse.Namespace, inputs: list, num_prompt: in
     """One process of a torchrun-launched ``--pd`` run. Rank 0 alone prepares the output
     (resume, early error records) and sends the requests to all; after the rounds it
     merges the part files. Returns the run's exit status (3: a rank failed)."""
-    from deepinfer.dp import (
-        EXIT_RANK_FAILED,
-        RankFailedError,
-        _destroy,
-        input_order,
-        merge_rank_parts,
-    )
-    from deepinfer.generate import engine_args, load_resume_state, pending_records
 
     info = RankInfo.from_env()
     rank0 = info.rank == 0
@@ -663,7 +661,7 @@ def _generate_pd_torchrun(args: argparse.Namespace, inputs: list, num_prompt: in
             # Also the point after which every part file is complete and closed.
             dist.all_gather_object(stats, own)
             if rank0:
-                merge_rank_parts(args.output, input_order(inputs), info.world_size)
+                merge_rank_parts(args.output, input_order(r.id for r in inputs), info.world_size)
         if rank0 and (requests or failed):
             status = _pd_report(args, requests, failed, stats)
         else:

@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,7 +290,7 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
         os.remove(p)
 
 
-def merge_rank_parts(output: str, order: list[str], world_size: int) -> None:
+def merge_rank_parts(output: str, order: dict[str, int], world_size: int) -> None:
     """Rank 0, once every rank closed its part: merge all parts into ``output``.
 
     Raises ``RankFailedError`` if a part is not visible here (multi-node runs need the
@@ -305,11 +305,11 @@ def merge_rank_parts(output: str, order: list[str], world_size: int) -> None:
     merge_outputs(output, order, parts)
 
 
-def input_order(inputs) -> dict[str, int]:
+def input_order(ids: Iterable[str]) -> dict[str, int]:
     """First input position of each id."""
     order: dict[str, int] = {}
-    for i, rec in enumerate(inputs):
-        order.setdefault(rec.id, i)
+    for i, rid in enumerate(ids):
+        order.setdefault(rid, i)
     return order
 
 
@@ -320,7 +320,7 @@ def fold_part_files(output: str, inputs) -> bool:
         return False
     print(f"resuming: merging {len(parts)} part file(s) of an earlier run into {output}",
           file=sys.stderr)
-    merge_outputs(output, input_order(inputs), parts)
+    merge_outputs(output, input_order(r.id for r in inputs), parts)
     return True
 
 
@@ -411,7 +411,7 @@ def _generate_rank(info: RankInfo, args: argparse.Namespace, device: str, inputs
 
     rank0 = info.rank == 0
     cdev = _comm_device(device)
-    order = input_order(inputs)
+    order = input_order(r.id for r in inputs)
     # Rank 0 alone touches the output before the run (folds leftover parts, cuts a torn
     # line), then tells the others what is done so that all split the same pending list.
     payload: list[Any] = [None]

@@ -176,10 +176,10 @@ def engine_args(args: argparse.Namespace, device: str | None = None) -> EngineAr
     )
 
 
-def mark_duplicates(pending: list[InputRecord], done: set[str]) -> None:
-    """Turn a repeated id (in the input, or already done) into an error record, so that
-    every rank of a DP run agrees on which record of a repeated id runs."""
-    seen = set(done)
+def mark_duplicates(pending: list[InputRecord]) -> None:
+    """Turn a repeated id of the input into an error record, so that every rank of a DP
+    run agrees on which record of a repeated id runs."""
+    seen: set[str] = set()
     for rec in pending:
         if rec.error is None and rec.id in seen:
             rec.error = f"duplicate id {rec.id!r} in the input"
@@ -205,7 +205,7 @@ def pending_records(inputs: list[InputRecord], done: set[str], output: str,
     if announce and done:
         print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
               f"{output}", file=sys.stderr)
-    mark_duplicates(pending, done)
+    mark_duplicates(pending)
     return pending
 
 

@@ -59,7 +59,6 @@ class BatchBuffers:
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
-        self.max_blocks = max_blocks
         self.input_ids = buf(max_tokens, torch.int64)
         self.positions = buf(max_tokens, torch.int64)
         self.slot_mapping = buf(max_tokens, torch.int64)

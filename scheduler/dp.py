@@ -22,10 +22,6 @@ class DPVoter:
                 dev = torch.device(device)
             self._buf = torch.zeros(1, dtype=torch.int64, device=dev)
 
-    @property
-    def world_size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
-
     def allreduce_min(self, value: int) -> int:
         if self._buf is None:
             return value

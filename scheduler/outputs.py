@@ -21,9 +21,6 @@ class SchedulerStats:
     num_prompt_steps: int = 0
     num_decode_steps: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 @dataclass
 class SchedulerOutputs:
@@ -49,7 +46,6 @@ class SchedulerOutputs:
 
     is_prompt: bool
     seqs: list[Sequence]
-    seq_ids: list[int]
     sample_seqs: list[Sequence]
     num_batched_tokens: int
     num_samples: int
@@ -63,8 +59,6 @@ class SchedulerOutputs:
     _step: int = field(default=0, repr=False)
 
     @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    def __len__(self) -> int:
-        return len(self.seqs)
+    def seq_ids(self) -> list[int]:
+        """Ids of ``seqs``, batch order (derived on access: the hot path never needs it)."""
+        return [s.seq_id for s in self.seqs]

@@ -71,7 +71,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._run_slots: np.ndarray | None = None  # cached slots of `running` (None: stale)
-        self._run_ids: list[int] = []
         self._partial: Sequence | None = None  # prompt cut by chunked prefill, if any
         # PROMPT engines: sequences handed off (TRANSFERRING) and not yet released, in
         # hand-off order, and the ones take_handoffs() has not returned yet.
@@ -241,8 +240,7 @@ class Scheduler:
         their length limit. Admitting only within this budget means a running sequence
         never has to be preempted; a COMPLETION engine could never recompute one."""
         with self._lock:
-            live = self.state_manager.num_slots - self.state_manager.num_free
-            slots = min(self.state_manager.num_free, self._max_live - live)
+            slots = self._slot_room()
             owed = 0
             if self.running:
                 rs = self._running_slots()
@@ -293,12 +291,7 @@ class Scheduler:
                            stop_token_ids=tuple(int(t) for t in stop_token_ids))
             seq.output_token_ids = outs
             ntok = seq.num_tokens
-            slot = self.state_manager.allocate()
-            seq.slot = slot
-            self._len[slot] = ntok
-            self._last_tok[slot] = outs[-1]
-            self._max_len[slot] = total
-            self._nblocks[slot] = 0
+            self._bind_slot(seq, self.state_manager.allocate())
             for _ in range(_cdiv(ntok - 1, self.block_size)):
                 self._append_block(seq, self.block_pool.allocate())
             seq._computed = ntok - 1
@@ -402,6 +395,22 @@ class Scheduler:
             return None
         return self._build_prefill(sched)
 
+    def _slot_room(self) -> int:
+        """State slots a new sequence (or group) may still take: free ones, within the cap
+        on live sequences."""
+        states = self.state_manager
+        live = states.num_slots - states.num_free
+        return min(states.num_free, self._max_live - live)
+
+    def _bind_slot(self, seq: Sequence, slot: int) -> None:
+        """Give ``seq`` the freshly allocated ``slot`` and its per-slot arrays (a free
+        slot's block count is already 0)."""
+        ntok = seq.num_tokens
+        seq.slot = slot
+        self._len[slot] = ntok
+        self._last_tok[slot] = seq.token_slice(ntok - 1, ntok)[0]
+        self._max_len[slot] = len(seq.prompt_token_ids) + seq.max_tokens
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence its state slot(s) and prefix-cache hits if it can be
         admitted with this step's ``budget``; returns its first token to compute, or -1
@@ -411,8 +420,7 @@ class Scheduler:
         pool = self.block_pool
         states = self.state_manager
         need_slots = 1 + seq.num_forks
-        live = states.num_slots - states.num_free
-        if states.num_free < need_slots or live + need_slots > self._max_live:
+        if self._slot_room() < need_slots:
             return -1
         ntok = seq.num_tokens
         hits: list[int] = []
@@ -431,13 +439,8 @@ class Scheduler:
             return -1
         self.stats.prefix_cache_queries += ntok
         self.stats.prefix_cache_hits += start
-        slot = states.allocate()
+        self._bind_slot(seq, states.allocate())
         seq.reserved_slots = [states.allocate() for _ in range(seq.num_forks)]
-        seq.slot = slot
-        self._len[slot] = ntok
-        self._last_tok[slot] = seq.token_slice(ntok - 1, ntok)[0]
-        self._max_len[slot] = len(seq.prompt_token_ids) + seq.max_tokens
-        self._nblocks[slot] = 0
         for b in hits:
             pool.take(b)
             self._append_block(seq, b)
@@ -445,7 +448,7 @@ class Scheduler:
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached_tokens = start
-        self._zero_states.append(slot)
+        self._zero_states.append(seq.slot)
         return start
 
     def _build_prefill(self, sched: list[tuple[Sequence, int, int]]) -> SchedulerOutputs:
@@ -502,7 +505,7 @@ class Scheduler:
         buf.logits_indices_np[:ns] = rows_out
         buf.sample_state_slots_np[:ns] = [s.slot for s in sample_seqs]
         batch = buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
-        return self._outputs(True, seqs, [s.seq_id for s in seqs], sample_seqs, t, batch,
+        return self._outputs(True, seqs, sample_seqs, t, batch,
                              slots)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -560,7 +563,6 @@ class Scheduler:
             if nb < slots.shape[0]:
                 slots, pos, bidx = slots[:nb], pos[:nb], bidx[:nb]
                 self._run_slots = slots
-                self._run_ids = self._run_ids[:nb]
             tgt = self._tables[slots, bidx]
         nb = slots.shape[0]
         buf = self._next_buffers()
@@ -578,7 +580,7 @@ class Scheduler:
         np.take(self._tables[:, :w], slots, axis=0, out=buf.block_tables_view(nb, w))
         batch = buf.make(nb, nb, w, nb, 1, int(pos.max()) + 1)
         seqs = list(self.running)
-        return self._outputs(False, seqs, list(self._run_ids), seqs, nb, batch, slots)
+        return self._outputs(False, seqs, seqs, nb, batch, slots)
 
     def _reserve_decode(self, todo: list[int]) -> int:
         """Give rows ``todo`` of running their next block (new or copy-on-write),
@@ -846,7 +848,6 @@ class Scheduler:
         if self._run_slots is None or self._run_slots.shape[0] != len(self.running):
             self._run_slots = np.fromiter((s.slot for s in self.running), dtype=np.int64,
                                           count=len(self.running))
-            self._run_ids = [s.seq_id for s in self.running]
         return self._run_slots
 
     def _next_buffers(self) -> BatchBuffers:
@@ -858,12 +859,12 @@ class Scheduler:
             return self._empty_pairs
         return torch.tensor(flat, dtype=torch.int64).view(-1, 2)
 
-    def _outputs(self, is_prompt: bool, seqs: list[Sequence], seq_ids: list[int],
+    def _outputs(self, is_prompt: bool, seqs: list[Sequence],
                  sample_seqs: list[Sequence], t: int, batch: LaunchBatch,
                  slots: np.ndarray) -> SchedulerOutputs:
         zs = self._zero_states
         return SchedulerOutputs(
-            is_prompt=is_prompt, seqs=seqs, seq_ids=seq_ids, sample_seqs=sample_seqs,
+            is_prompt=is_prompt, seqs=seqs, sample_seqs=sample_seqs,
             num_batched_tokens=t, num_samples=len(sample_seqs),
             clone_blocks=self._pairs(self._clone_blocks),
             zero_states=torch.tensor(zs, dtype=torch.int64) if zs else self._empty_1d,
@@ -875,7 +876,7 @@ class Scheduler:
         buf = self._next_buffers()
         buf.query_start_loc_np[0] = 0
         batch = buf.make(0, 0, 0, 0, 0, 0)
-        return self._outputs(is_prompt, [], [], [], 0, batch, np.zeros(0, dtype=np.int64))
+        return self._outputs(is_prompt, [], [], 0, batch, np.zeros(0, dtype=np.int64))
 
     # ================================================================== checks
     def check_invariants(self) -> None:

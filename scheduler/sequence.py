@@ -75,10 +75,6 @@ class Sequence:
             return self.num_tokens - 1
         return self._computed
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens ``start:stop`` of prompt + outputs, without concatenating the whole."""
         p = self.prompt_token_ids
