@@ -18,13 +18,13 @@ from kernels.validation import INDEX_DTYPES, check_runnable_device, check_tensor
 
 @triton.jit
 def _copy_rows_kernel(
-    data_ptr, pairs_ptr, num_rows, row_elems, group_stride, num_groups,
+    data_ptr, pairs_ptr, num_rows, row_elems, group_stride,
     stride_pair, stride_col,
     BLOCK: tl.constexpr, ZERO: tl.constexpr,
 ):
-    """Row copy/zero over ``num_groups`` interleaved planes.
+    """Row copy/zero over the planes of grid axis 1 (one per program id).
 
-    data is viewed as ``[num_groups, num_rows, row_elems]`` (group_stride elements apart);
+    data is viewed as ``[planes, num_rows, row_elems]`` (group_stride elements apart);
     program (i, g) copies row ``pairs[i, 0]`` to row ``pairs[i, 1]`` of plane g (ZERO:
     zeroes row ``pairs[i]``). Rows outside [0, num_rows) are skipped, since the host
     cannot check device indices without a sync.
@@ -84,7 +84,7 @@ def clone_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     word = words.element_size()
     row_elems = block_bytes // word
     _copy_rows_kernel[(p.shape[0], num_layers * 2)](
-        words, p, num_blocks, row_elems, num_blocks * row_elems, num_layers * 2,
+        words, p, num_blocks, row_elems, num_blocks * row_elems,
         p.stride(0), p.stride(1), BLOCK=_block_for(row_elems), ZERO=False, num_warps=4,
     )
 
@@ -110,7 +110,7 @@ def _launch_states(states: list[torch.Tensor], idx: torch.Tensor, zero: bool) ->
         words = int_view(t, row_bytes)
         row_elems = row_bytes // words.element_size()
         _copy_rows_kernel[(idx.shape[0], 1)](
-            words, idx, t.shape[0], row_elems, 0, 1,
+            words, idx, t.shape[0], row_elems, 0,
             idx.stride(0), idx.stride(1) if idx.dim() == 2 else 0,
             BLOCK=_block_for(row_elems), ZERO=zero, num_warps=4,
         )

@@ -20,6 +20,7 @@ from kernels.tl_helpers import mma
 from kernels.validation import check_attention_common, check_optional_int, check_out, check_scale
 
 LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64  # the merge kernel's [splits, D] register tile
 
 
 @triton.jit
@@ -135,14 +136,16 @@ def _merge_kernel(
 def _decode_config(head_dim_pad: int, elem_bytes: int, device: torch.device) -> dict[str, int]:
     """Tile size and launch parameters (deterministic; sized by hand for H100/H200).
 
-    Decode streams K/V once, so the goal is enough bytes in flight per SM: 64 keys of
-    256-byte rows per step, pipelined 3 deep, while the K+V stages stay within ~100 KB of
-    shared memory (fp32 or 256-wide heads get narrower tiles).
+    Decode streams K/V once, so the goal is enough bytes in flight per SM: a tile of keys
+    per step, pipelined 3 deep, as wide as the register file allows without spilling (64
+    keys of 128-byte rows, 32 of 256-byte rows, else 16).
     """
     if interpreting():
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
     row_bytes = head_dim_pad * elem_bytes
-    block_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    # Register budget (sm_90 compile, cuobjdump -res-usage): 64 keys of 256-byte rows
+    # spill at d=128 16-bit; 32 do not. fp32 d=128 needs 16.
+    block_n = 64 if row_bytes <= 128 else 32 if row_bytes <= 256 else 16
     stage_bytes = 2 * block_n * row_bytes  # one K tile + one V tile
     stages = 3 if capability(device)[0] >= 8 and 3 * stage_bytes <= 100_000 else 2
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
@@ -160,7 +163,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, bound: int, block_n: int,
     if programs >= sms or bound <= 0:
         return 1
     by_length = max(1, bound // (4 * block_n))
-    return max(1, min(math.ceil(2 * sms / programs), by_length, 64))
+    return max(1, min(math.ceil(2 * sms / programs), by_length, _MAX_SPLITS))
 
 
 def paged_decode_attention(
@@ -181,8 +184,8 @@ def paged_decode_attention(
     ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32. q head h reads kv head
     ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` (``out`` when given, else q's dtype).
 
-    ``num_splits`` forces the number of KV splits (1 = unsplit); by default it is chosen
-    from the GPU's SM count. ``max_seq_len`` is an optional host-int upper bound on
+    ``num_splits`` forces the number of KV splits (1 = unsplit, at most 64); by default it
+    is chosen from the GPU's SM count. ``max_seq_len`` is an optional host-int upper bound on
     ``seq_lens`` used to size the splits (default: ``max_blocks * block_size``); seq_lens
     itself is never read on the host.
     """
@@ -204,7 +207,8 @@ def paged_decode_attention(
     d_pad = pad_dim(head_dim)
     cfg = _decode_config(d_pad, q.element_size(), q.device)
     block_n = cfg["BLOCK_N"]
-    splits = forced if forced is not None else choose_num_splits(
+    # The merge keeps a [splits, D] fp32 tile in registers: 64 splits at most.
+    splits = min(forced, _MAX_SPLITS) if forced is not None else choose_num_splits(
         batch, num_kv_heads, bound, block_n, q.device)
     split_len = max(block_n, triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n)
     precision, upcast = dot_flags(q.dtype)
