@@ -76,7 +76,7 @@ from deepinfer.generate import (
     engine_args,
     load_resume_state,
     pending_records,
-    resolve_record,
+    queue_records,
     result_record,
     summary_line,
     write_record,
@@ -571,23 +571,14 @@ def pd_requests(pending: list, args: argparse.Namespace) -> tuple[list[PDRequest
     and the number of error records. Checks that need the tokenizer or the engines'
     sizes (an over-long prompt) are made by the PROMPT ranks, which write those errors."""
 
-    default_params = default_sampling_params(args)
     requests: list[PDRequest] = []
-    failed = 0
+
+    def accept(rec, sp: SamplingParams, prompt, messages) -> None:
+        check_pd_params(rec.id, sp)
+        requests.append(PDRequest(rec.id, prompt=prompt, messages=messages, params=sp))
+
     with open(args.output, "a", encoding="utf-8") as out:
-        for rec in pending:
-            error = rec.error
-            if error is None:
-                try:
-                    sp, prompt, messages = resolve_record(rec, default_params, args.chat)
-                    check_pd_params(rec.id, sp)
-                    requests.append(PDRequest(rec.id, prompt=prompt, messages=messages,
-                                              params=sp))
-                except ValueError as e:
-                    error = str(e)
-            if error is not None:
-                failed += 1
-                write_record(out, {"id": rec.id, "error": error})
+        failed = queue_records(pending, default_sampling_params(args), args.chat, out, accept)
     return requests, failed
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
@@ -220,6 +220,25 @@ def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
     return sp, rec.prompt, None
 
 
+def queue_records(records: list[InputRecord], default_params: SamplingParams, chat: bool,
+                  out: TextIO, accept: Callable[..., None]) -> int:
+    """Resolve each record and pass it to ``accept(rec, params, prompt, messages)``; a bad
+    record (its line, its sampling values, or a ``ValueError`` from ``accept``) is written
+    to ``out`` as an error record instead. Returns the number of error records."""
+    failed = 0
+    for rec in records:
+        error = rec.error
+        if error is None:
+            try:
+                accept(rec, *resolve_record(rec, default_params, chat))
+            except ValueError as e:
+                error = str(e)
+        if error is not None:
+            failed += 1
+            write_record(out, {"id": rec.id, "error": error})
+    return failed
+
+
 def submit(engine, records: list[InputRecord], default_params: SamplingParams,
            chat: bool, out: TextIO) -> tuple[dict[str, Any], int]:
     """Queue ``records`` on ``engine``; bad ones are written to ``out`` as error records.
@@ -229,24 +248,16 @@ def submit(engine, records: list[InputRecord], default_params: SamplingParams,
     """
     from deepinfer.tokenizer import apply_chat_template
 
-    failed = 0
     prompts: dict[str, Any] = {}
-    for rec in records:
-        error = rec.error
-        if error is None:
-            try:
-                sp, prompt, msgs = resolve_record(rec, default_params, chat)
-                if msgs is not None:
-                    ids = apply_chat_template(engine.tokenizer, msgs)
-                    engine.add_request(rec.id, None, ids, sp)
-                else:
-                    engine.add_request(rec.id, prompt, None, sp)
-                prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
-            except ValueError as e:
-                error = str(e)
-        if error is not None:
-            failed += 1
-            write_record(out, {"id": rec.id, "error": error})
+
+    def accept(rec: InputRecord, sp: SamplingParams, prompt, msgs) -> None:
+        if msgs is not None:
+            engine.add_request(rec.id, None, apply_chat_template(engine.tokenizer, msgs), sp)
+        else:
+            engine.add_request(rec.id, prompt, None, sp)
+        prompts[rec.id] = rec.prompt if rec.prompt is not None else rec.messages
+
+    failed = queue_records(records, default_params, chat, out, accept)
     return prompts, failed
 
 
