@@ -43,9 +43,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -273,27 +271,27 @@ def _build_engine(cls, args: EngineArgs, engine_type: str, device: str):
 
 def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
             decode_args: EngineArgs, requests: list[list[PDRequest]], output_path: str,
-            stats_dir: str, options: PDOptions) -> int:
+            options: PDOptions) -> list[dict[str, Any]]:
     """One rank of a disaggregated run (spawned by ``run_disaggregated``, or under torchrun
     with ``RankInfo.from_env()``). Appends its output records to
-    ``dp.part_path(output_path, rank)`` as requests finish and its counters to
-    ``stats_dir/rank{r}.json``. ``requests[r]``: the requests of PROMPT rank r."""
+    ``dp.part_path(output_path, rank)`` as requests finish; returns every rank's counters
+    (gathered, in rank order). ``requests[r]``: the requests of PROMPT rank r."""
     is_prompt = info.rank < num_prompt
     device = select_device((prompt_args if is_prompt else decode_args).device,
                            info.local_rank)  # one GPU per rank on CUDA
     init_distributed(info, device, options.timeout_s)
     try:
-        stats = pd_worker(info, device, num_prompt, prompt_args, decode_args,
-                          requests[info.rank], output_path, options)
-        with open(os.path.join(stats_dir, f"rank{info.rank}.json"), "w") as f:
-            json.dump(stats, f)
+        own = pd_worker(info, device, num_prompt, prompt_args, decode_args,
+                        requests[info.rank], output_path, options)
+        stats: list[dict[str, Any]] = [{} for _ in range(info.world_size)]
+        dist.all_gather_object(stats, own)
     finally:
         # Free the engine and the loop's buffers while the interpreter is whole, then the
         # group: a gloo group torn down at interpreter exit can abort the process (see
         # deepinfer.dp.generate_rank).
         gc.collect()
         dist.destroy_process_group()
-    return 0
+    return stats
 
 
 def pd_worker(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
@@ -519,14 +517,9 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
     options = options or PDOptions()
     if order is None:
         order = input_order(r.request_id for r in requests)
-    with tempfile.TemporaryDirectory() as stats_dir:
-        spawn_ranks(pd_rank, world, (num_prompt, engine_args, decode_args, per_rank,
-                                     output_path, stats_dir, options))
-        merge_outputs(output_path, order, [part_path(output_path, r) for r in range(world)])
-        stats = []
-        for r in range(world):
-            with open(os.path.join(stats_dir, f"rank{r}.json")) as f:
-                stats.append(json.load(f))
+    stats = spawn_ranks(pd_rank, world, (num_prompt, engine_args, decode_args, per_rank,
+                                         output_path, options))
+    merge_outputs(output_path, order, [part_path(output_path, r) for r in range(world)])
     return stats
 
 
