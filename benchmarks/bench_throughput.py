@@ -135,7 +135,8 @@ def run_deepinfer_pd(args: argparse.Namespace, wl: Workload, normal: dict) -> di
     import tempfile
 
     from deepinfer import SamplingParams
-    from deepinfer.disagg import PDRequest, parse_pd, run_disaggregated
+    from deepinfer.distributed.pd import PDRequest, parse_pd
+    from deepinfer.distributed.pd_jobs import run_disaggregated
     from deepinfer.engine_args import EngineArgs
 
     num_prompt, num_decode = parse_pd(args.pd)
@@ -174,9 +175,9 @@ def run_deepinfer_pd(args: argparse.Namespace, wl: Workload, normal: dict) -> di
 
 
 def run_deepinfer_dp(args: argparse.Namespace, wl: Workload, one_rank_tok_s: float) -> dict:
-    """The same workload split round-robin over ``args.dp`` ranks (deepinfer.dp's
+    """The same workload split round-robin over ``args.dp`` ranks (deepinfer.distributed's
     launcher; one GPU per rank on CUDA, CPU processes with gloo otherwise)."""
-    from deepinfer.dp import spawn_ranks
+    from deepinfer.distributed.ranks import spawn_ranks
 
     per_rank = spawn_ranks(_bench_rank, args.dp, (vars(args).copy(), wl))
     wall = max(r["seconds"] for r in per_rank)
@@ -200,7 +201,7 @@ def _bench_rank(info, args: dict, wl: Workload) -> list[dict] | None:
     import torch.distributed as dist
 
     from deepinfer import SamplingParams
-    from deepinfer.dp import init_distributed, select_device
+    from deepinfer.distributed.ranks import init_distributed, select_device
     from deepinfer.engine import LLMEngine
     from deepinfer.engine_args import EngineArgs
 
@@ -239,7 +240,7 @@ def _bench_rank(info, args: dict, wl: Workload) -> list[dict] | None:
             "threads": torch.get_num_threads()}
     everyone: list = [None] * info.world_size
     dist.all_gather_object(everyone, mine)
-    del engine  # it holds the group: free both before exit (see deepinfer.dp)
+    del engine  # it holds the group: free both before exit (see deepinfer.distributed.ranks)
     gc.collect()
     dist.destroy_process_group()
     return everyone if info.rank == 0 else None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.attention import AttentionMetadata
+from deepinfer.models.attention import AttentionMetadata
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 

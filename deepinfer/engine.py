@@ -1,49 +1,30 @@
-"""The engine loop: requests in, finished ``RequestOutput``s out, one step at a time.
+"""The engine: requests in, finished ``RequestOutput``s out, one step at a time.
 
 ``LLMEngine.step()`` is one scheduler step: ``schedule()`` -> ``ModelRunner.execute()`` ->
-``Scheduler.update()`` -> detokenize, stop strings, logprobs. ``LLM`` (llm.py) and the
-``deepinfer-generate`` script both drive it.
+``Scheduler.update()`` -> detokenize, stop strings, logprobs. ``drain()`` is the one loop
+that steps until the work is done; ``LLM`` (llm.py), the one-engine and DP jobs drive it.
+``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
+(disaggregated prefill/decode).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from deepinfer.config import ModelConfig
-from deepinfer.detokenizer import IncrementalDetokenizer
 from deepinfer.engine_args import EngineArgs
-from deepinfer.loader import load_model, resolve_model_path
-from deepinfer.model_runner import ModelRunner, StepSampling, kv_block_bytes
+from deepinfer.loading.loader import load_model, resolve_model_path
+from deepinfer.model_runner import KVCacheSpec, ModelRunner, StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.request_state import RequestState, SampleState, SequenceExport
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.tokenizer import load_tokenizer
-from scheduler import EngineType, Scheduler, SchedulerConfig
-
-
-@dataclass
-class _SampleState:
-    """Host-side state of one output sequence (one of a request's ``n`` samples)."""
-
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
-    token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: frozenset[int]
-    samples: dict[int, _SampleState] = field(default_factory=dict)
-    num_finished: int = 0
+from deepinfer.tokenizer import apply_chat_template, load_tokenizer
+from scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
 
 
 @dataclass
@@ -58,7 +39,8 @@ class EngineStats:
     decode_time: float = 0.0
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU. Raises ``ValueError`` naming ``device``."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -69,7 +51,7 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _resolve_backend(name: str, device: torch.device) -> ModuleType:
+def resolve_backend(name: str, device: torch.device) -> ModuleType:
     """``auto``: Triton on CUDA, the torch reference on CPU; ``triton`` on CPU interprets."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -85,13 +67,14 @@ def _resolve_backend(name: str, device: torch.device) -> ModuleType:
 
 
 class LLMEngine:
-    """Tokenizer + scheduler + model runner for one rank."""
+    """Tokenizer + scheduler + model runner for one rank. ``dp_group``: the
+    ``torch.distributed`` group whose schedulers vote on each step's type (None: alone)."""
 
     def __init__(self, args: EngineArgs, dp_group=None) -> None:
         args.validate()
         self.args = args
-        self.device = _resolve_device(args.device)
-        self.backend = _resolve_backend(args.attention_backend, self.device)
+        self.device = resolve_device(args.device)
+        self.backend = resolve_backend(args.attention_backend, self.device)
         self.model_path = resolve_model_path(args.model)
         self.model, self.model_config = load_model(
             self.model_path, dtype=args.dtype, device=str(self.device)
@@ -110,92 +93,53 @@ class LLMEngine:
                 "positions (max_position_embeddings, or its sliding window)"
             )
         on_cuda = self.device.type == "cuda"
-        max_num_seqs = args.max_num_seqs or (256 if on_cuda else 64)
-        max_batched = args.max_num_batched_tokens or (8192 if on_cuda else 2048)
-        num_blocks = self._num_kv_blocks(max_num_seqs, max_batched)
+        engine_type = EngineType[args.engine_type.upper()]
+        spec = KVCacheSpec(
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs or (256 if on_cuda else 64),
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_cuda else 2048),
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        # A PROMPT engine never decodes: no decode graphs to capture.
+        self.runner = ModelRunner(
+            self.model, cfg, device=self.device, dtype=self.dtype, backend=self.backend,
+            spec=spec,
+            capture_graphs=not args.enforce_eager and engine_type is not EngineType.PROMPT,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                num_blocks=num_blocks,
-                block_size=args.block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_batched,
+                num_blocks=self.runner.num_blocks,
+                block_size=spec.block_size,
+                max_num_seqs=spec.max_num_seqs,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
-                engine_type=EngineType[args.engine_type.upper()],
+                engine_type=engine_type,
                 device=str(self.device),
             ),
             dp_group=dp_group,
         )
-        self.runner = ModelRunner(
-            self.model, cfg, device=self.device, dtype=self.dtype, backend=self.backend,
-            num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len, enforce_eager=args.enforce_eager,
-        )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
-
-    # ------------------------------------------------------------------ sizing
-    def _num_kv_blocks(self, max_num_seqs: int, max_batched: int) -> int:
-        block_bytes = kv_block_bytes(self.model_config, self.args.block_size, self.dtype)
-        # Never more than every sequence at full length could use.
-        useful = max_num_seqs * -(-self.max_model_len // self.args.block_size) + 1
-        if self.device.type == "cuda":
-            budget = self._profile_cuda_budget(max_batched)
-        else:
-            budget = self.args.kv_cache_memory
-        num_blocks = min(useful, budget // block_bytes)
-        if num_blocks < 2:
-            raise ValueError(
-                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                f"{block_bytes} bytes: raise kv_cache_memory / gpu_memory_utilization"
-            )
-        return int(num_blocks)
-
-    def _profile_cuda_budget(self, max_batched: int) -> int:
-        """Bytes left for the KV cache after a forward at the largest prompt batch."""
-        from deepinfer.attention import AttentionMetadata
-        from deepinfer.model_runner import kv_cache_shape
-
-        bs = self.args.block_size
-        n_blocks = -(-max_batched // bs)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        cache = torch.zeros(kv_cache_shape(self.model_config, n_blocks, bs),
-                            dtype=self.dtype, device=self.device)
-        meta = AttentionMetadata(
-            is_prompt=True,
-            slot_mapping=torch.arange(max_batched, device=self.device),
-            block_tables=torch.arange(n_blocks, dtype=torch.int32,
-                                      device=self.device)[None],
-            seq_lens=torch.tensor([max_batched], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, max_batched], dtype=torch.int32,
-                                         device=self.device),
-            max_query_len=max_batched, max_seq_len=max_batched,
-        )
-        ids = torch.zeros(max_batched, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(max_batched, device=self.device), cache,
-                                meta, self.backend)
-            self.model.compute_logits(hidden[-min(max_batched, 256):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
-        del cache, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_elsewhere = total - free - torch.cuda.memory_allocated(self.device)
-        return int(total * self.args.gpu_memory_utilization - peak - used_elsewhere)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | None,
-                    prompt_token_ids: list[int] | None, params: SamplingParams) -> None:
-        """Queue one request; raises ``ValueError`` naming it if it can never run."""
+                    prompt_token_ids: list[int] | None, params: SamplingParams, *,
+                    messages: list[dict[str, str]] | None = None) -> None:
+        """Queue one request given as text (``prompt``), token ids, or a chat
+        (``messages``, the model's chat template applied). Raises ``ValueError`` naming it
+        if it is malformed or can never run; nothing is queued then."""
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
+        if messages is not None:
+            prompt_token_ids = apply_chat_template(self.tokenizer, messages)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError(f"request {request_id!r}: needs a prompt or prompt_token_ids")
@@ -213,7 +157,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params.max_tokens, n=params.n,
             stop_token_ids=sorted(stop_ids), min_tokens=params.min_tokens,
         )
-        self.requests[request_id] = _RequestState(
+        self.requests[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params, frozenset(stop_ids)
         )
         self.stats.num_requests += 1
@@ -226,26 +170,68 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ------------------------------------------------------------------ one step
-    def _sample_state(self, req: _RequestState, sample_index: int) -> _SampleState:
-        st = req.samples.get(sample_index)
-        if st is None:
-            p = req.params
-            gen = None
-            if p.seed is not None:
-                gen = torch.Generator(device=self.device)
-                # Distinct, reproducible streams for the n samples of one seed.
-                gen.manual_seed((p.seed * 1_000_003 + sample_index) % (1 << 63))
-            st = _SampleState(
-                detok=IncrementalDetokenizer(
-                    self.tokenizer, req.prompt_token_ids,
-                    skip_special_tokens=p.skip_special_tokens, stop=p.stop_list(),
-                ),
-                generator=gen,
-                logprobs=[] if p.logprobs is not None else None,
-            )
-            req.samples[sample_index] = st
-        return st
+    # ------------------------------------------------------------------ hand-off (PD)
+    def export_sequence(self, seq: Sequence) -> SequenceExport:
+        """Describe a handed-off sequence (``Scheduler.take_handoffs``) for another
+        engine; its KV blocks and state row travel separately (``runner.export_kv``)."""
+        req = self.requests[seq.request_id]
+        st = req.samples[seq.sample_index]
+        return SequenceExport(
+            request_id=seq.request_id, prompt=req.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=list(seq.output_token_ids), params=req.params,
+            stop_token_ids=sorted(req.stop_token_ids),
+            generator_state=None if st.generator is None else st.generator.get_state(),
+            logprobs=st.logprobs, num_blocks=len(seq.blocks),
+        )
+
+    def release_exported(self, seq: Sequence) -> None:
+        """Forget a sequence whose transfer completed: its blocks and slot are freed and
+        its request leaves this engine."""
+        self.scheduler.release_handoff(seq.seq_id)
+        self.requests.pop(seq.request_id, None)
+
+    def import_sequence(self, exp: SequenceExport) -> Sequence | None:
+        """Admit a sequence exported by another engine: scheduler blocks and slot, and the
+        host state (detokenizer fed the tokens so far, generator state, logprobs). The
+        caller fills its blocks and slot (``runner.import_kv``) before the next step.
+        Returns None, changing nothing, when there is no room (credits)."""
+        params = exp.params
+        seq = self.scheduler.add_prefilled(
+            exp.request_id, exp.prompt_token_ids, exp.output_token_ids, params.max_tokens,
+            stop_token_ids=exp.stop_token_ids, min_tokens=params.min_tokens)
+        if seq is None:
+            return None
+        req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
+                           frozenset(exp.stop_token_ids))
+        self.requests[exp.request_id] = req
+        st = self._sample_state(req, 0)
+        if st.generator is not None and exp.generator_state is not None:
+            st.generator.set_state(exp.generator_state)
+        if st.logprobs is not None and exp.logprobs:
+            st.logprobs.extend(exp.logprobs)
+        for t in exp.output_token_ids:
+            # As step() did on the exporting engine: the sequence is not finished, so
+            # every token went through the detokenizer.
+            st.token_ids.append(t)
+            st.detok.add(t)
+        self.stats.num_requests += 1
+        return seq
+
+    # ------------------------------------------------------------------ the loop
+    def drain(self, keep_going: Callable[[], bool] | None = None,
+              on_step: Callable[[], None] | None = None) -> Iterator[RequestOutput]:
+        """Step while ``keep_going()`` (default: this engine has unfinished work); yield
+        each request as it finishes. ``on_step`` runs after every step (progress).
+        A DP rank passes a ``keep_going`` that asks the whole group."""
+        keep_going = keep_going or self.has_unfinished
+        while keep_going():
+            yield from self.step()
+            if on_step is not None:
+                on_step()
+
+    def _sample_state(self, req: RequestState, sample_index: int) -> SampleState:
+        return req.sample_state(sample_index, self.tokenizer, self.device)
 
     def _step_sampling(self, out) -> StepSampling:
         sampling = StepSampling([], [], [])
@@ -327,7 +313,8 @@ class LLMEngine:
                 del self.requests[req.request_id]
         return done
 
-    def _request_output(self, req: _RequestState) -> RequestOutput:
+    @staticmethod
+    def _request_output(req: RequestState) -> RequestOutput:
         outs = [
             CompletionOutput(
                 index=i, text=st.detok.text, token_ids=list(st.token_ids),

@@ -1,8 +1,24 @@
-"""Engine options shared by ``LLM`` and the ``deepinfer-generate`` script."""
+"""Engine options shared by ``LLM``, the jobs and the ``deepinfer-generate`` command line.
+
+Each field declares its command-line help in its metadata; ``deepinfer.cli`` builds the
+flags from these declarations (``--max-model-len`` from ``max_model_len``), so a new
+option appears on the command line without being declared twice. ``cli=False`` keeps a
+field off the command line (a mode sets it itself: the engine type under ``--pd``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def option(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
+           flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
+    """A dataclass field with its command-line declaration in the metadata. ``type``: the
+    argparse type of an optional value (None: the default's type; bools become
+    ``--flag/--no-flag``). ``flag``: the flag when not the field name's."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices,
+                                            "flag": flag, "aliases": aliases, "cli": cli})
 
 
 @dataclass
@@ -14,19 +30,30 @@ class EngineArgs:
     memory after a profiling forward, up to ``gpu_memory_utilization`` of the device.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    engine_type: str = "normal"
+    model: str | None = option(
+        None, "HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)", type=str)
+    dtype: str = option("auto", "weights and activations: auto, float32, float16 or "
+                        "bfloat16 (auto: float32 on CPU, the checkpoint's on CUDA)")
+    device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
+    attention_backend: str = option(
+        "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",
+        choices=("auto", "triton", "torch"))
+    max_model_len: int | None = option(
+        None, "longest prompt + output, in tokens (default: the model's, at most 8192)",
+        type=int)
+    max_num_seqs: int | None = option(
+        None, "sequences decoded together (default: 256 on CUDA, 64 on CPU)", type=int)
+    max_num_batched_tokens: int | None = option(
+        None, "tokens per prompt step (default: 8192 on CUDA, 2048 on CPU)", type=int)
+    block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64))
+    kv_cache_memory: int = option(1 << 30, "bytes of KV cache on CPU")
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of prompt prefixes seen before",
+        flag="--prefix-caching")
+    enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    engine_type: str = option("normal", "normal, prompt or completion", cli=False)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""

@@ -5,10 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
-
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.progress import RunProgress
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
@@ -91,21 +90,14 @@ class LLM:
             raise ValueError(f"prompt {index}: {e}") from e
 
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = RunProgress(len(ids), disable=not use_tqdm)
         stats = engine.stats
         p0, g0 = stats.prompt_tokens, stats.generated_tokens
-        t0 = stats.prompt_time + stats.decode_time
-        while engine.has_unfinished():
-            for out in engine.step():
-                results[out.request_id] = out
-                bar.update(1)
-            if use_tqdm:
-                elapsed = max(stats.prompt_time + stats.decode_time - t0, 1e-9)
-                bar.set_postfix_str(
-                    f"in {(stats.prompt_tokens - p0) / elapsed:.0f} tok/s, "
-                    f"out {(stats.generated_tokens - g0) / elapsed:.0f} tok/s",
-                    refresh=False,
-                )
+
+        def progress() -> None:
+            bar.update(len(results), stats.prompt_tokens - p0, stats.generated_tokens - g0)
+
+        for out in engine.drain(on_step=progress):
+            results[out.request_id] = out
         bar.close()
         return [results[rid] for rid in ids]

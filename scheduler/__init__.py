@@ -1,5 +1,6 @@
 """deepinfer's scheduler: sequences, KV blocks with prefix caching, state slots, the
-step-type vote of the seed, and the launch tensors of each step.
+step-type votes, and the launch tensors of each step. The semantics it implements are
+described in ``docs/scheduling.md``.
 
 One step of the engine::
 
@@ -8,12 +9,23 @@ One step of the engine::
     finished = sched.update(out, token_ids)   # out.num_samples ids, sample order
 
 ``out``'s tensors are borrowed views of reused host buffers, valid until the next
-``schedule()`` (see ``SchedulerOutputs``). Modules: ``config`` (SchedulerConfig,
-EngineType), ``sequence``, ``block_manager`` (block pool + prefix cache),
-``state_manager``, ``batch`` (numpy buffers -> torch), ``dp`` (votes), ``outputs``,
-``scheduler``. Benchmark: ``python benchmarks/bench_scheduler.py``.
+``schedule()`` (see ``SchedulerOutputs``). Modules, one concept each:
 
-Imports neither ``kernels`` nor ``deepinfer``.
+- ``scheduler``: the policy (queues, preemption, ``schedule`` / ``update``)
+- ``step_type``: prompt or decode step (ALL/ANY vote points, the two DP votes);
+  ``dp``: the all-reduce they go through
+- ``admission``: packing a prompt step (slots, blocks, prefix hits, chunking, forks)
+- ``kv_cache``: block-table rows (the one copy), copy-on-write, prefix-cache hashing,
+  capacity; ``block_manager``: the ref-counted block pool and cache map
+- ``state_manager``: state slots and their per-slot host rows
+- ``batch``: launch buffers and the prompt / decode batches
+- ``samples``: applying sampled tokens (stop, length, registration)
+- ``handoff``: export / import of prefilled sequences (disaggregated prefill/decode)
+- ``registry``: request validation, live sequences by id and request
+- ``sequence``, ``outputs``, ``config``, ``util`` (``cdiv``)
+
+Benchmark: ``python benchmarks/bench_scheduler.py``. Imports neither ``kernels`` nor
+``deepinfer``.
 """
 
 from scheduler.batch import LaunchBatch

@@ -2,11 +2,11 @@
 
 Each ``BatchBuffers`` owns one set of host tensors at their maximum sizes (pinned when
 the engine runs on CUDA, so that ``.to(device, non_blocking=True)`` is a real async copy)
-and numpy views of the same memory. The scheduler fills the views and hands out
-``LaunchBatch`` slices of the tensors: no allocation per step. The scheduler alternates
-between two buffer sets, so a step's tensors are not overwritten by the very next
-``schedule()`` even if the runner's async copies are still in flight; the contract it
-publishes is still "valid until the next ``schedule()``".
+and numpy views of the same memory. ``BatchBuilder`` fills the views for a prompt or a
+decode step and hands out ``LaunchBatch`` slices of the tensors: no allocation per step.
+It alternates between two buffer sets, so a step's tensors are not overwritten by the
+very next ``schedule()`` even if the runner's async copies are still in flight; the
+contract the scheduler publishes is still "valid until the next ``schedule()``".
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from scheduler.kv_cache import KVCache
+from scheduler.sequence import Sequence
 
 
 @dataclass
@@ -99,3 +102,92 @@ class BatchBuffers:
             max_seq_len=max_seq_len,
             num_tokens=t,
         )
+
+
+class BatchBuilder:
+    """Fills the launch batch of a prompt or a decode step from the block-table rows of
+    ``kv`` (read only) and what the scheduler passes in."""
+
+    def __init__(self, kv: KVCache, max_tokens: int, max_seqs: int, pin: bool) -> None:
+        self._kv = kv
+        mb = kv.tables.shape[1]
+        self._bufs = (BatchBuffers(max_tokens, max_seqs, mb, pin),
+                      BatchBuffers(max_tokens, max_seqs, mb, pin))
+        self._index = 0
+        self._arange = np.arange(max_tokens + 1, dtype=np.int64)
+
+    def _next(self) -> BatchBuffers:
+        self._index ^= 1
+        return self._bufs[self._index]
+
+    def _block_tables(self, buf: BatchBuffers, slots: np.ndarray) -> int:
+        """Copy the rows of ``slots`` (int64 [B]) at the width of the widest; returns it."""
+        kv = self._kv
+        nb = slots.shape[0]
+        w = int(kv.nblocks[slots].max())
+        np.take(kv.tables[:, :w], slots, axis=0, out=buf.block_tables_view(nb, w))
+        return w
+
+    def empty(self) -> LaunchBatch:
+        """A batch of nothing (an empty prompt step, or a decode step with no sequence)."""
+        buf = self._next()
+        buf.query_start_loc_np[0] = 0
+        return buf.make(0, 0, 0, 0, 0, 0)
+
+    def prefill(self, sched: list[tuple[Sequence, int, int]], slots: np.ndarray,
+                sample_rows: list[int], sample_slots: list[int]) -> LaunchBatch:
+        """Prompt step: ``sched`` holds ``(seq, first new token, number of new tokens)``
+        per sequence in batch order, ``slots`` (int64 [B]) their state slots (the KV rows
+        already cover every new token). ``sample_rows[k]``: batch index of the sequence
+        sample k reads its logits from (its last new token); ``sample_slots[k]``: the state
+        slot of the sequence sample k belongs to."""
+        bs = self._kv.block_size
+        tables = self._kv.tables
+        nb = len(sched)
+        starts = np.fromiter((a for _, a, _ in sched), dtype=np.int64, count=nb)
+        lens = np.fromiter((n for _, _, n in sched), dtype=np.int64, count=nb)
+        buf = self._next()
+        qsl = buf.query_start_loc_np[: nb + 1]
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:])
+        t = int(qsl[nb])
+        ids: list[int] = []
+        for seq, a, n in sched:
+            ids += seq.token_slice(a, a + n)
+        buf.input_ids_np[:t] = ids
+        pos = buf.positions_np[:t]
+        np.subtract(self._arange[:t], np.repeat(qsl[:-1] - starts, lens), out=pos)
+        rows = np.repeat(slots, lens)
+        blk = tables[rows, pos // bs].astype(np.int64)
+        np.add(blk * bs, pos % bs, out=buf.slot_mapping_np[:t])
+        seq_lens = starts + lens
+        buf.seq_lens_np[:nb] = seq_lens
+        buf.state_slots_np[:nb] = slots
+        w = self._block_tables(buf, slots)
+        ns = len(sample_rows)
+        if ns:
+            np.subtract(qsl[1:][sample_rows], 1, out=buf.logits_indices_np[:ns])
+            buf.sample_state_slots_np[:ns] = sample_slots
+        return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
+
+    def decode(self, slots: np.ndarray, pos: np.ndarray, tgt: np.ndarray,
+               last_token: np.ndarray) -> LaunchBatch:
+        """Decode step, one token per sequence: ``slots`` (int64 [B]) their state slots,
+        ``pos`` (int64 [B]) the position each writes, ``tgt`` (int32 [B]) the block that
+        position falls in, ``last_token`` (int64 [num_slots]) the input token by slot."""
+        bs = self._kv.block_size
+        nb = slots.shape[0]
+        buf = self._next()
+        np.take(last_token, slots, out=buf.input_ids_np[:nb])
+        buf.positions_np[:nb] = pos
+        sm = buf.slot_mapping_np[:nb]
+        np.multiply(tgt, bs, out=sm)
+        sm += pos % bs
+        buf.seq_lens_np[:nb] = pos + 1
+        arange = self._arange
+        buf.query_start_loc_np[: nb + 1] = arange[: nb + 1]
+        buf.logits_indices_np[:nb] = arange[:nb]
+        buf.state_slots_np[:nb] = slots
+        buf.sample_state_slots_np[:nb] = slots
+        w = self._block_tables(buf, slots)
+        return buf.make(nb, nb, w, nb, 1, int(pos.max()) + 1)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler.util import cdiv
+
 
 class EngineType(enum.IntEnum):
-    """What kind of steps an engine takes (the seed's ``EngineType``).
+    """What kind of steps an engine takes (``docs/scheduling.md``, "Engine types").
 
     ``PROMPT``: prefill-only engine of a disaggregated pair (always a prompt step).
     ``COMPLETION``: decode-only engine (always a decode step).
@@ -26,7 +28,7 @@ class SchedulerConfig:
     ``num_blocks`` KV blocks of ``block_size`` tokens; ``max_num_seqs`` state slots (at most
     that many live sequences); at most ``max_num_batched_tokens`` tokens per step.
     ``prefill_attempt_interval`` / ``prefill_any_attempt_interval``: decode steps between
-    ALL / ANY prefill votes (see ``Scheduler.schedule``). ``prefill_watermark``: a rank
+    ALL / ANY prefill votes (see ``scheduler.step_type``). ``prefill_watermark``: a rank
     only wants a prompt step while ``cache_usage() <= prefill_watermark``. ``device``:
     where the engine runs; host launch buffers are pinned and DP votes travel on the GPU
     when it starts with ``"cuda"``.
@@ -86,4 +88,4 @@ class SchedulerConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         """Width of a block-table row: blocks of the longest possible sequence."""
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.block_size)

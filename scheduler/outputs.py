@@ -10,6 +10,11 @@ import torch
 from scheduler.batch import LaunchBatch
 from scheduler.sequence import Sequence
 
+# Shared by every step without copies or new sequences: no allocation on the hot path
+# (size 0, so a borrower cannot change them).
+_EMPTY = torch.zeros(0, dtype=torch.int64)
+_EMPTY_PAIRS = torch.zeros((0, 2), dtype=torch.int64)
+
 
 @dataclass
 class SchedulerStats:
@@ -42,6 +47,10 @@ class SchedulerOutputs:
     zero_states        int64 [M] state slots of newly admitted sequences
     clone_states       int64 [P, 2] (parent slot, child slot) of sequences forked now
     batch              LaunchBatch (see ``scheduler.batch``)
+    slots              int64 [B] state slots of ``seqs`` (for ``update()``)
+    epoch / step       the scheduler's abort counter and ``schedule()`` count when it
+                       was built: ``update()`` accepts only the latest step, once, and
+                       re-checks statuses if a sequence ended in between
     """
 
     is_prompt: bool
@@ -53,12 +62,36 @@ class SchedulerOutputs:
     zero_states: torch.Tensor
     clone_states: torch.Tensor
     batch: LaunchBatch
-    # Scheduler-private bookkeeping for update().
-    _slots: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
-    _epoch: int = field(default=0, repr=False)
-    _step: int = field(default=0, repr=False)
+    # Bookkeeping for update().
+    slots: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    epoch: int = field(default=0, repr=False)
+    step: int = field(default=0, repr=False)
+
+    @classmethod
+    def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
+              batch: LaunchBatch, slots: np.ndarray, *, clone_blocks: list[int],
+              zero_states: list[int], clone_states: list[int], epoch: int,
+              step: int) -> SchedulerOutputs:
+        """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
+        ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors."""
+        return cls(
+            is_prompt=is_prompt, seqs=seqs, sample_seqs=sample_seqs,
+            num_batched_tokens=batch.num_tokens, num_samples=len(sample_seqs),
+            clone_blocks=_pairs(clone_blocks),
+            zero_states=(torch.tensor(zero_states, dtype=torch.int64) if zero_states
+                         else _EMPTY),
+            clone_states=_pairs(clone_states),
+            batch=batch, slots=slots, epoch=epoch, step=step,
+        )
 
     @property
     def seq_ids(self) -> list[int]:
         """Ids of ``seqs``, batch order (derived on access: the hot path never needs it)."""
         return [s.seq_id for s in self.seqs]
+
+
+def _pairs(flat: list[int]) -> torch.Tensor:
+    """int64 [len(flat) // 2, 2] from a flat ``src, dst, ...`` list."""
+    if not flat:
+        return _EMPTY_PAIRS
+    return torch.tensor(flat, dtype=torch.int64).view(-1, 2)

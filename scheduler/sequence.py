@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence as _Seq
+from typing import Protocol
+
+
+class BlockRows(Protocol):
+    """Where a sequence's block ids live (``scheduler.kv_cache.KVCache``); a protocol so
+    that this module does not import the one that imports it."""
+
+    def blocks_of(self, slot: int) -> list[int]: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -27,22 +35,26 @@ class Sequence:
     (``"length"`` | ``"stop"`` | ``"abort"`` | None), ``num_cached_tokens`` (prefix-cache
     hit tokens at its first admission), ``stop_token_ids``, ``max_tokens``, ``min_tokens``.
 
-    Scheduler-owned fields: ``slot`` (state slot, -1 when none), ``blocks`` (KV block ids
-    in order), the chain hashes of its full blocks and how many of them are registered in
-    the prefix cache, and ``num_forks`` (children still to create when its prompt
-    completes; their slots are reserved in ``reserved_slots`` from admission on).
+    Scheduler-owned fields: ``slot`` (state slot, -1 when none; written by the
+    ``StateManager``), ``blocks`` (KV block ids in order, read-only: derived from the
+    block-table row that ``kv_cache`` keeps for the slot), ``num_computed`` (prompt
+    tokens prefill has scheduled so far), the chain hashes of its full blocks and how
+    many of them are registered in the prefix cache, and ``num_forks`` (children still to
+    create when its prompt completes; their slots are reserved in ``reserved_slots``
+    from admission on).
     """
 
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "output_token_ids",
         "status", "finish_reason", "num_cached_tokens", "stop_token_ids", "max_tokens",
-        "min_tokens", "slot", "blocks", "block_hashes", "num_registered", "num_forks",
-        "reserved_slots", "admitted", "_computed",
+        "min_tokens", "slot", "kv_cache", "block_hashes", "num_registered", "num_forks",
+        "reserved_slots", "admitted", "num_computed",
     )
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int,
                  prompt_token_ids: list[int], max_tokens: int, *, min_tokens: int = 0,
-                 stop_token_ids: _Seq[int] = (), num_forks: int = 0) -> None:
+                 stop_token_ids: _Seq[int] = (), num_forks: int = 0,
+                 kv_cache: BlockRows | None = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -55,13 +67,21 @@ class Sequence:
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.slot = -1
-        self.blocks: list[int] = []
+        self.kv_cache = kv_cache
         self.block_hashes: list[int] = []
         self.num_registered = 0
         self.num_forks = num_forks
         self.reserved_slots: list[int] = []
         self.admitted = False
-        self._computed = 0
+        self.num_computed = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        """KV block ids in order (a fresh list; empty without a slot). The block-table row
+        in ``kv_cache`` is the only place they are written."""
+        if self.slot < 0 or self.kv_cache is None:
+            return []
+        return self.kv_cache.blocks_of(self.slot)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +93,7 @@ class Sequence:
         """Tokens whose K/V is in the cache (a running sequence: all but the last one)."""
         if self.status is SequenceStatus.RUNNING:
             return self.num_tokens - 1
-        return self._computed
+        return self.num_computed
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens ``start:stop`` of prompt + outputs, without concatenating the whole."""
@@ -84,6 +104,31 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:stop - n]
         return p[start:] + self.output_token_ids[:stop - n]
+
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """A running child of this sequence whose prompt just completed: same request,
+        tokens, limits and prefix-cache progress. The caller gives it a slot and the
+        parent's blocks."""
+        child = Sequence(seq_id, self.request_id, sample_index, self.prompt_token_ids,
+                         self.max_tokens, min_tokens=self.min_tokens,
+                         stop_token_ids=self.stop_token_ids, kv_cache=self.kv_cache)
+        child.status = SequenceStatus.RUNNING
+        child.block_hashes = list(self.block_hashes)
+        child.num_registered = self.num_registered
+        child.admitted = True
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_computed = self.num_computed
+        return child
+
+    def stop_reason(self, token: int) -> str | None:
+        """Why the sequence ends now that ``token`` was appended (``"stop"`` or
+        ``"length"``), or None if it goes on."""
+        nout = len(self.output_token_ids)
+        if token in self.stop_token_ids and nout > self.min_tokens:
+            return "stop"
+        if nout >= self.max_tokens:
+            return "length"
+        return None
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.attention import Attention, AttentionMetadata
 from deepinfer.config import ModelConfig
+from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from deepinfer.dp import EXIT_RANK_FAILED, free_port, list_part_files
+from deepinfer.distributed.ranks import EXIT_RANK_FAILED, free_port
 from deepinfer.generate import main
+from deepinfer.jobs.parts import list_part_files
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from deepinfer.dp import list_part_files, merge_outputs, part_path
 from deepinfer.generate import main
+from deepinfer.jobs.parts import list_part_files, merge_outputs, part_path
 
 
 def _line(rid: str, text: str = "x") -> str:

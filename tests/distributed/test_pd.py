@@ -10,7 +10,8 @@ import json
 import pytest
 import torch.distributed as dist
 
-from deepinfer.disagg import PDOptions, PDRequest, assign_offers, parse_pd, run_disaggregated
+from deepinfer.distributed.pd import PDOptions, PDRequest, assign_offers, parse_pd
+from deepinfer.distributed.pd_jobs import run_disaggregated
 from deepinfer.engine_args import EngineArgs
 from deepinfer.sampling_params import SamplingParams
 from tests.engine.conftest import tiny_checkpoints  # noqa: F401  (the shared fixture)

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch.distributed as dist
 
-from deepinfer.dp import list_part_files
 from deepinfer.generate import main
+from deepinfer.jobs.parts import list_part_files
 from tests.distributed.test_dp_generate import _torchrun_style
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

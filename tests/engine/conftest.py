@@ -96,7 +96,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_path):
     """``(model, config)`` of the default GGUF loaded once by our loader (fp32, CPU)."""
-    from deepinfer.loader import load_model
+    from deepinfer.loading.loader import load_model
 
     return load_model(smollm2_path, dtype="float32", device="cpu")
 

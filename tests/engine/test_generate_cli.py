@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from deepinfer.generate import load_done_ids, main, read_inputs
+from deepinfer.generate import main
+from deepinfer.jobs.records import read_inputs
+from deepinfer.jobs.resume import load_done_ids
 
 
 def _records(path) -> list[dict]:

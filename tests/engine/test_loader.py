@@ -10,10 +10,15 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from deepinfer import loader
 from deepinfer.config import ModelConfig
-from deepinfer.loader import ModelNotFoundError, load_model, resolve_dtype, resolve_model_path
+from deepinfer.loading import loader
 from deepinfer.loading.gguf_file import check_gguf_type, unpermute_rotary
+from deepinfer.loading.loader import (
+    ModelNotFoundError,
+    load_model,
+    resolve_dtype,
+    resolve_model_path,
+)
 
 
 def test_unknown_path_names_it(tmp_path):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.attention import AttentionMetadata
 from deepinfer.config import ModelConfig
-from deepinfer.loader import load_model
+from deepinfer.loading.loader import load_model
+from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.layers import rope_inv_freq
 from kernels import reference
 

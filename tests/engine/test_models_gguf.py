@@ -112,7 +112,7 @@ def _write_tiny_gguf(hf_model, arch: str, path: str) -> None:
 @pytest.mark.parametrize("name,arch", [("llama3", "llama"), ("qwen2", "qwen2"),
                                        ("qwen3", "qwen3")])
 def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
-    from deepinfer.loader import load_model
+    from deepinfer.loading.loader import load_model
     from tests.engine.test_models import hf_logits
 
     ck = tiny_checkpoints[name]

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.util import cdiv
 from tests.scheduler.helpers import FakeRunner
 
 
@@ -17,7 +18,7 @@ from tests.scheduler.helpers import FakeRunner
 def workloads(draw):
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = 40
-    min_blocks = -(-max_model_len // bs)
+    min_blocks = cdiv(max_model_len, bs)
     cfg = dict(
         num_blocks=draw(st.integers(min_blocks, 3 * min_blocks)),
         block_size=bs,

@@ -1,4 +1,5 @@
-"""Step type: the seed's PROMPT / COMPLETION / NORMAL logic, votes and decode_step."""
+"""Step type: PROMPT / COMPLETION / NORMAL logic, votes and decode_step
+(docs/scheduling.md, "Step type")."""
 
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ def test_prompt_step_resets_and_decode_increments_decode_step():
 def test_all_point_needs_every_rank():
     s = make(prefill_attempt_interval=2, prefill_any_attempt_interval=3)
     s.add_request("a", [1, 2, 3], 5)
-    s._voter = FakeVoter([0])  # another rank does not want: ALL vote fails
+    s.voter = FakeVoter([0])  # another rank does not want: ALL vote fails
     out = s.schedule()
-    assert not out.is_prompt and s._voter.mine == [1]
+    assert not out.is_prompt and s.voter.mine == [1]
     s.update(out, [])
     assert s.decode_step == 1
 
@@ -102,9 +103,9 @@ def test_any_point_one_rank_is_enough_and_idle_rank_steps_empty():
     assert s.decode_step == 2
     # decode_step 2: ANY point. This rank has nothing waiting, another rank wants and
     # schedules: both votes return 0, this rank takes an empty prompt step.
-    s._voter = FakeVoter([0, 0])
+    s.voter = FakeVoter([0, 0])
     out = s.schedule()
-    assert out.is_prompt and out.seqs == [] and s._voter.mine == [1, 1]
+    assert out.is_prompt and out.seqs == [] and s.voter.mine == [1, 1]
     assert out.batch.input_ids.shape == (0,) and out.batch.block_tables.shape == (0, 0)
     assert out.batch.query_start_loc.tolist() == [0]
     s.update(out, [])
@@ -121,9 +122,9 @@ def test_any_wins_over_all_where_both_hold():
     assert s.decode_step == 2
     s.add_request("b", [1, 2], 3)
     # ANY vote: this rank wants (sends 0); an ALL vote would have sent 1.
-    s._voter = FakeVoter([1, 1])
+    s.voter = FakeVoter([1, 1])
     out = s.schedule()
-    assert out.is_prompt and s._voter.mine == [0, 0]
+    assert out.is_prompt and s.voter.mine == [0, 0]
 
 
 def test_second_vote_falls_back_to_decode_no_livelock():
@@ -150,9 +151,9 @@ def test_second_vote_other_rank_scheduled():
     s.add_request("a", [1, 2, 3], 6)
     s.add_request("b", [1, 2], 6)
     step(s, r)
-    s._voter = FakeVoter([1, 0])  # all want; this rank gets nothing, another does
+    s.voter = FakeVoter([1, 0])  # all want; this rank gets nothing, another does
     out = s.schedule()
-    assert out.is_prompt and out.seqs == [] and s._voter.mine == [1, 1]
+    assert out.is_prompt and out.seqs == [] and s.voter.mine == [1, 1]
 
 
 def test_watermark_blocks_prefill():

@@ -1,0 +1,129 @@
+"""``deepinfer-generate``'s command line: parsing and dispatch only.
+
+The engine flags come from ``EngineArgs``' field declarations (one flag a field), the
+sampling defaults and job flags are declared here. Three ways to run: one engine
+(``deepinfer.jobs.one_engine``), data parallel (``--dp N`` or torchrun;
+``deepinfer.distributed.dp``) and disaggregated prefill/decode (``--pd P:D``;
+``deepinfer.distributed.pd_jobs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from deepinfer.distributed.dp import dp_rank
+from deepinfer.distributed.pd import parse_pd
+from deepinfer.distributed.pd_jobs import pd_job_rank
+from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_size
+from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.one_engine import run_one_engine
+from deepinfer.jobs.records import read_inputs
+from deepinfer.sampling_params import SamplingParams
+
+
+def flag_name(field_name: str) -> str:
+    """``max_model_len`` -> ``--max-model-len``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per command-line field of ``EngineArgs`` (see ``engine_args.option``);
+    booleans get ``--x`` / ``--no-x``."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        names = [meta.get("flag") or flag_name(f.name), *meta.get("aliases", ())]
+        kwargs: dict = {"default": f.default, "help": meta["help"], "dest": f.name}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = meta.get("type") or type(f.default)
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+        group.add_argument(*names, **kwargs)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """``EngineArgs`` from the parsed flags."""
+    return EngineArgs(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)
+                         if f.metadata.get("cli", True)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="deepinfer-generate", description="Offline batch generation with deepinfer."
+    )
+    p.add_argument("--input", required=True, help=".txt (one prompt per line) or .jsonl")
+    p.add_argument("--output", required=True, help=".jsonl; appended to, and resumed from")
+    add_engine_flags(p)
+    s = p.add_argument_group("default sampling (per-record values override them)")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--n", type=int, default=1)
+    j = p.add_argument_group("job")
+    j.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
+    j.add_argument("--show", action="store_true", help="print each result when done")
+    j.add_argument("--no-progress", action="store_true")
+    j.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks on this machine (one GPU each on CUDA; "
+                        "ignored under torchrun, which sets the ranks)")
+    j.add_argument("--dp-timeout", type=float, default=120.0,
+                   help="seconds a rank waits on the others before giving up (DP and PD "
+                        "runs)")
+    j.add_argument("--pd", default=None, metavar="P:D",
+                   help="disaggregated prefill/decode: P prompt + D completion engines, "
+                        "spawned on this machine (one GPU each on CUDA), or under torchrun "
+                        "with WORLD_SIZE = P + D; n = 1 only")
+    return p
+
+
+def default_sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The CLI's default sampling; per-record overrides are applied on top."""
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, n=args.n,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    world = torchrun_world_size()
+    try:
+        default_params = default_sampling_params(args)
+        engine_args = engine_args_from(args)
+        engine_args.validate()
+        inputs = list(read_inputs(args.input))
+        if args.dp < 1:
+            raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
+        if args.dp_timeout <= 0:
+            raise ValueError(f"--dp-timeout {args.dp_timeout}: expected seconds > 0")
+        if args.pd is not None:
+            num_prompt, num_decode = parse_pd(args.pd)
+            if args.dp > 1:
+                # Each PD process is one engine of one role; a DP group of PD groups
+                # would need a second level of process groups. Not implemented.
+                raise ValueError(f"--pd {args.pd} and --dp {args.dp} cannot be combined: "
+                                 "use --pd alone (more P or D ranks) or --dp alone")
+            if world and world != num_prompt + num_decode:
+                raise ValueError(f"--pd {args.pd} needs WORLD_SIZE={num_prompt + num_decode}"
+                                 f"; the launcher set {world}")
+            check_gpu_count(args.device, num_prompt + num_decode, f"--pd {args.pd}")
+        elif world > 1 and args.dp > 1 and args.dp != world:
+            raise ValueError(f"--dp {args.dp} disagrees with WORLD_SIZE={world} set by the "
+                             "launcher")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deepinfer-generate: {e}", file=sys.stderr)
+        return 2
+    if args.pd is not None:
+        return launch(pd_job_rank, num_prompt + num_decode,
+                      (args, engine_args, default_params, num_prompt))
+    if args.dp > 1 or world > 1:
+        return launch(dp_rank, args.dp, (args, engine_args, default_params))
+    return run_one_engine(args, engine_args, default_params, inputs)

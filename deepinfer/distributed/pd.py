@@ -1,0 +1,320 @@
+"""Disaggregated prefill/decode: the rounds of one rank and the KV hand-off.
+
+P PROMPT ranks prefill and sample each request's first token, then hand the sequence to
+one of D COMPLETION ranks, which decodes it to the end. World = P + D processes; ranks
+``0..P-1`` are PROMPT, ``P..P+D-1`` COMPLETION. One round on every rank is:
+
+1. local work: a PROMPT rank runs one prefill step if it has waiting prompts and fewer
+   than ``max_pending`` sequences waiting to be handed off (back-pressure: a PROMPT rank
+   whose decode side has no credits stops admitting); a COMPLETION rank runs one decode
+   step if it has running sequences.
+2. one ``all_gather`` of a fixed-size int64 status row per rank
+   (``[has_work, free_slots, free_blocks, n_offers, need_0 .. need_{K-1}]``): COMPLETION
+   ranks publish their credits (``Scheduler.handoff_capacity``), PROMPT ranks up to K
+   hand-off offers (blocks each sequence may need on the decode side).
+3. every rank computes the same assignment from the gathered rows (``assign_offers``).
+4. transfers, pair by pair in one global order (so blocking send/recv can never wait in
+   a cycle): ``send_object_list`` of the ``SequenceExport``s, then one flat uint8 payload
+   with the sequences' KV blocks and sampler-state rows (``ModelRunner.export_kv``). The
+   receiver admits them first (``LLMEngine.import_sequence``) and scatters into them.
+5. the round's gathered ``has_work`` flags say when every rank is done: all ranks leave
+   the loop in the same round.
+
+Buffers are bounded: at most K sequences per PROMPT rank per round travel, and a
+COMPLETION rank only accepts what its credits cover (slots, and blocks for each
+sequence's worst-case length, so it never preempts: it could not recompute a prompt).
+Rounds are lock-step, so a decode step waits for the slowest prefill step of its round.
+n > 1 is rejected (a forked group shares blocks that would have to move together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.distributed.ranks import RankInfo, comm_device
+from deepinfer.engine import LLMEngine
+from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.parts import part_path
+from deepinfer.jobs.records import error_record, result_record, write_record
+from deepinfer.jobs.summary import RunSummary
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import apply_chat_template
+
+# Status row layout (int64), see the module docstring.
+HAS_WORK, FREE_SLOTS, FREE_BLOCKS, N_OFFERS, NEEDS = range(5)
+
+
+@dataclass
+class PDRequest:
+    """One request of a disaggregated run: exactly one of ``prompt`` (text),
+    ``prompt_token_ids`` or ``messages`` (chat; the template is applied on the PROMPT
+    rank)."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class PDOptions:
+    """``max_offers``: K, sequences one PROMPT rank may hand off per round.
+    ``max_pending``: a PROMPT rank runs no prefill step while this many sequences wait to
+    be handed off (None: its ``max_num_seqs``). ``timeout_s``: bound on every collective
+    (a dead peer fails the run instead of hanging it)."""
+
+    max_offers: int = 16
+    max_pending: int | None = None
+    timeout_s: float = 1800.0
+
+
+def parse_pd(spec: str) -> tuple[int, int]:
+    """``"P:D"`` -> ``(P, D)``, both >= 1; ``ValueError`` naming ``--pd`` otherwise."""
+    try:
+        p, d = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd {spec!r}: expected P:D, e.g. 1:1") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--pd {spec!r}: need at least one prompt and one decode rank")
+    return p, d
+
+
+def check_pd_params(request_id: str, params: SamplingParams) -> None:
+    """Raise ``ValueError`` for sampling options a disaggregated run cannot serve."""
+    if params.n != 1:
+        raise ValueError(f"request {request_id!r}: n={params.n} is not supported with --pd "
+                         "(disaggregated prefill hands off single sequences); use n=1")
+
+
+def split_requests(requests: list[PDRequest], num_prompt: int, world: int
+                   ) -> list[list[PDRequest]]:
+    """Round-robin over the PROMPT ranks; COMPLETION ranks get empty lists."""
+    per_rank: list[list[PDRequest]] = [[] for _ in range(world)]
+    for i, r in enumerate(requests):
+        per_rank[i % num_prompt].append(r)
+    return per_rank
+
+
+def assign_offers(rows: list[list[int]], num_prompt: int) -> list[tuple[int, int, int]]:
+    """Deterministic routing from the gathered status rows: ``(prompt rank, offer index,
+    decode rank)`` triples. Offers go round-robin over PROMPT ranks, in order per rank,
+    each to the COMPLETION rank with the most free blocks among those with a free slot
+    and enough blocks; a rank's first offer that fits nowhere stops that rank."""
+    world = len(rows)
+    cap = {d: [rows[d][FREE_SLOTS], rows[d][FREE_BLOCKS]] for d in range(num_prompt, world)}
+    nxt = [0] * num_prompt
+    blocked = [False] * num_prompt
+    out: list[tuple[int, int, int]] = []
+    progress = True
+    while progress:
+        progress = False
+        for p in range(num_prompt):
+            i = nxt[p]
+            if blocked[p] or i >= rows[p][N_OFFERS]:
+                continue
+            need = rows[p][NEEDS + i]
+            fit = [d for d, (s, b) in cap.items() if s >= 1 and b >= need]
+            if not fit:
+                blocked[p] = True
+                continue
+            d = max(fit, key=lambda r: (cap[r][1], -r))
+            cap[d][0] -= 1
+            cap[d][1] -= need
+            out.append((p, i, d))
+            nxt[p] = i + 1
+            progress = True
+    return out
+
+
+def pd_worker(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
+              decode_args: EngineArgs, requests: list[PDRequest], output_path: str,
+              options: PDOptions) -> dict[str, Any]:
+    """One rank's part of a disaggregated run, inside an initialised default group: build
+    this rank's engine, run the rounds to the end, return its counters. ``requests``:
+    this rank's own (empty on a COMPLETION rank). Records go to this rank's part file of
+    ``output_path``."""
+    is_prompt = info.rank < num_prompt
+    args = prompt_args if is_prompt else decode_args
+    role = "prompt" if is_prompt else "completion"
+    engine = LLMEngine(dataclasses.replace(args, engine_type=role, device=device))
+    loop = PDRounds(engine, info.rank, info.world_size, num_prompt, device,
+                    part_path(output_path, info.rank), options)
+    return loop.run(requests if is_prompt else [])
+
+
+class PDRounds:
+    """The round loop of one rank (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, rank: int, world: int, num_prompt: int,
+                 device: str, part: str, options: PDOptions) -> None:
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.rank = rank
+        self.world = world
+        self.num_prompt = num_prompt
+        self.is_prompt = rank < num_prompt
+        self.dev = comm_device(device)
+        self.k = options.max_offers
+        self.max_pending = options.max_pending or self.sched.config.max_num_seqs
+        self.part = part
+        self.stats: dict[str, Any] = {"rank": rank, "role": "prompt" if self.is_prompt
+                                      else "completion", "rounds": 0, "handed_off": 0,
+                                      "received": 0, "max_pending": 0, "steps": 0,
+                                      # rounds with offers out and none taken (no credits)
+                                      "credit_waits": 0,
+                                      # requests answered with an error record
+                                      "errors": 0}
+        self.pending: deque = deque()  # handed-off sequences not yet sent (PROMPT)
+        self._row = torch.zeros(5 + self.k, dtype=torch.int64, device=self.dev)
+        self._rows = [torch.zeros_like(self._row) for _ in range(world)]
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        write_record(self.out, rec)  # flushed: a killed run leaves whole records
+        if "error" in rec:
+            self.stats["errors"] += 1
+
+    def _gather(self, row: list[int]) -> list[list[int]]:
+        self._row.copy_(torch.tensor(row, dtype=torch.int64))
+        dist.all_gather(self._rows, self._row)
+        return torch.stack(self._rows).cpu().tolist()
+
+    # ------------------------------------------------------------------ setup
+    def _add_requests(self, requests: list[PDRequest], decode_cfg: list[list[int]]) -> None:
+        """Queue this PROMPT rank's requests; one that no decode rank could ever hold is
+        an error record instead of a hang."""
+        eng = self.engine
+        max_blocks = max(nb for nb, _ in decode_cfg)
+        max_len = max(ml for _, ml in decode_cfg)
+        for r in requests:
+            try:
+                ids = r.prompt_token_ids
+                if r.messages is not None:
+                    ids = apply_chat_template(eng.tokenizer, r.messages)
+                elif ids is None and r.prompt is not None:
+                    ids = eng.tokenize(r.prompt)
+                if ids is not None:
+                    need = self.sched.prefilled_blocks(len(ids), r.params.max_tokens)
+                    if need > max_blocks or len(ids) + r.params.max_tokens > max_len:
+                        raise ValueError(
+                            f"request {r.request_id!r}: prompt + max_tokens needs {need} KV "
+                            f"blocks / {len(ids) + r.params.max_tokens} positions; no decode "
+                            f"rank has that many ({max_blocks} blocks, {max_len} positions)")
+                eng.add_request(r.request_id, r.prompt, ids, r.params)
+            except ValueError as e:
+                self._write(error_record(r.request_id, str(e)))
+
+    # ------------------------------------------------------------------ loop
+    def run(self, requests: list[PDRequest]) -> dict[str, Any]:
+        c = self.sched.config
+        with open(self.part, "a", encoding="utf-8") as self.out:
+            # Setup exchange: block size, KV blocks and positions of every rank.
+            cfg = self._gather([int(self.is_prompt), c.block_size, c.num_blocks,
+                                c.max_model_len] + [0] * (self.k + 1))
+            if len({row[1] for row in cfg}) != 1:
+                raise ValueError("--pd: all ranks need the same block_size (KV moves by "
+                                 "block)")
+            if self.is_prompt:
+                self._add_requests(requests,
+                                   [[row[2], row[3]] for row in cfg[self.num_prompt:]])
+            t0 = time.perf_counter()
+            while True:
+                self._local_step()
+                rows = self._gather(self._status())
+                self.stats["rounds"] += 1
+                if not any(row[HAS_WORK] for row in rows):
+                    break
+                plan = assign_offers(rows, self.num_prompt)
+                if self.is_prompt and self.pending and not any(p == self.rank
+                                                               for p, _, _ in plan):
+                    self.stats["credit_waits"] += 1
+                self._transfer(plan)
+        summary = RunSummary.of_engine(self.engine, 0, 0, time.perf_counter() - t0)
+        self.stats.update({k: v for k, v in dataclasses.asdict(summary).items()
+                           if k not in ("num_ok", "failed")})
+        return self.stats
+
+    def _local_step(self) -> None:
+        eng, s = self.engine, self.sched
+        if self.is_prompt:
+            if not s.waiting or len(self.pending) >= self.max_pending:
+                return  # nothing to prefill, or back-pressure from the decode side
+            done = eng.step()
+            self.pending.extend(s.take_handoffs())
+            self.stats["max_pending"] = max(self.stats["max_pending"], len(self.pending))
+        else:
+            if not s.running:
+                return
+            done = eng.step()
+        self.stats["steps"] += 1
+        for res in done:  # PROMPT side: requests that ended at their first token
+            self._write(result_record(res))
+
+    def _status(self) -> list[int]:
+        row = [0] * (5 + self.k)
+        if self.is_prompt:
+            row[HAS_WORK] = int(self.sched.has_unfinished() or bool(self.pending))
+            offers = list(self.pending)[: self.k]
+            row[N_OFFERS] = len(offers)
+            for i, seq in enumerate(offers):
+                row[NEEDS + i] = self.sched.prefilled_blocks(len(seq.prompt_token_ids),
+                                                             seq.max_tokens)
+        else:
+            row[HAS_WORK] = int(self.sched.has_unfinished())
+            row[FREE_SLOTS], row[FREE_BLOCKS] = self.sched.handoff_capacity()
+        return row
+
+    def _transfer(self, plan: list[tuple[int, int, int]]) -> None:
+        """Run this rank's part of the round's transfers, pair by pair in one global
+        order (sorted by (prompt rank, decode rank)), so blocking send/recv match up."""
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for p, i, d in plan:
+            pairs.setdefault((p, d), []).append(i)
+        sent: list = []
+        for (p, d), idx in sorted(pairs.items()):
+            if self.rank == p:
+                seqs = [self.pending[i] for i in idx]
+                self._send(d, seqs)
+                sent += seqs
+            elif self.rank == d:
+                self._recv(p)
+        if sent:
+            ids = {q.seq_id for q in sent}
+            self.pending = deque(q for q in self.pending if q.seq_id not in ids)
+            for q in sent:
+                self.engine.release_exported(q)
+            self.stats["handed_off"] += len(sent)
+
+    def _send(self, dst: int, seqs: list) -> None:
+        eng = self.engine
+        exports = [eng.export_sequence(q) for q in seqs]
+        dist.send_object_list([exports], dst=dst, device=self.dev)
+        blocks = [b for q in seqs for b in q.blocks]
+        dist.send(eng.runner.export_kv(blocks, [q.slot for q in seqs]), dst=dst)
+
+    def _recv(self, src: int) -> None:
+        eng = self.engine
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, device=self.dev)
+        seqs = []
+        for exp in box[0]:
+            seq = eng.import_sequence(exp)
+            if seq is None or len(seq.blocks) != exp.num_blocks:
+                # The plan only assigns what the published credits cover.
+                raise RuntimeError(f"rank {self.rank}: no room for handed-off request "
+                                   f"{exp.request_id!r} despite its credits")
+            seqs.append(seq)
+        blocks = [b for q in seqs for b in q.blocks]
+        runner = eng.runner
+        payload = torch.empty(runner.transfer_bytes(len(blocks), len(seqs)),
+                              dtype=torch.uint8, device=runner.kv_cache.device)
+        dist.recv(payload, src=src)
+        runner.import_kv(payload, blocks, [q.slot for q in seqs])
+        self.stats["received"] += len(seqs)

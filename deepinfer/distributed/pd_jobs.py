@@ -1,0 +1,179 @@
+"""Disaggregated runs of whole request lists: ``run_disaggregated`` (library: spawn the
+P + D ranks on this machine, merge their records) and ``pd_job_rank`` (one rank of a
+``deepinfer-generate --pd P:D`` run: the records, error records, resume, exit status and
+summary of a one-engine run, spawned or under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from deepinfer.distributed.pd import (
+    PDOptions,
+    PDRequest,
+    check_pd_params,
+    pd_worker,
+    split_requests,
+)
+from deepinfer.distributed.ranks import (
+    RankInfo,
+    check_gpu_count,
+    merge_rank_parts,
+    run_in_group,
+    select_device,
+    spawn_ranks,
+)
+from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.parts import input_order, merge_outputs, part_path
+from deepinfer.jobs.records import InputRecord, queue_records, read_inputs, show_result
+from deepinfer.jobs.resume import load_resume_state, pending_records
+from deepinfer.jobs.summary import RunSummary
+from deepinfer.sampling_params import SamplingParams
+
+
+# ====================================================================== library
+def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
+            decode_args: EngineArgs, requests: list[list[PDRequest]], output_path: str,
+            options: PDOptions) -> list[dict[str, Any]]:
+    """One rank of ``run_disaggregated``: appends its records to
+    ``part_path(output_path, rank)``; returns every rank's counters (gathered, in rank
+    order). ``requests[r]``: the requests of PROMPT rank r."""
+    is_prompt = info.rank < num_prompt
+    device = select_device((prompt_args if is_prompt else decode_args).device,
+                           info.local_rank)  # one GPU per rank on CUDA
+
+    def body() -> list[dict[str, Any]]:
+        own = pd_worker(info, device, num_prompt, prompt_args, decode_args,
+                        requests[info.rank], output_path, options)
+        stats: list[dict[str, Any]] = [{} for _ in range(info.world_size)]
+        dist.all_gather_object(stats, own)
+        return stats
+
+    return run_in_group(info, device, options.timeout_s, body)
+
+
+def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output_path: str,
+                      num_prompt: int, num_decode: int, *,
+                      decode_args: EngineArgs | None = None,
+                      options: PDOptions | None = None,
+                      order: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Run ``requests`` on ``num_prompt`` PROMPT + ``num_decode`` COMPLETION processes on
+    this machine and merge one output record per request into ``output_path`` in request
+    order (the format of ``deepinfer-generate``). ``decode_args``: engine options of the
+    COMPLETION ranks (default ``engine_args``). ``order``: position of each id in the
+    merged file (default: request order; records already in ``output_path`` whose id is
+    not in it stay, last). Returns the per-rank counters. Requests go round-robin to the
+    PROMPT ranks; on CUDA each rank gets its own GPU (P + D GPUs needed). Raises
+    ``ValueError`` for bad options and ``RankFailedError`` when a rank fails."""
+    if num_prompt < 1 or num_decode < 1:
+        raise ValueError("run_disaggregated: need at least one prompt and one decode rank")
+    decode_args = decode_args or engine_args
+    if engine_args.block_size != decode_args.block_size:
+        raise ValueError("--pd: prompt and decode ranks need the same block_size")
+    engine_args.validate()
+    decode_args.validate()
+    world = num_prompt + num_decode
+    check_gpu_count(engine_args.device, world, f"--pd {num_prompt}:{num_decode}")
+    for r in requests:
+        check_pd_params(r.request_id, r.params)
+    per_rank = split_requests(requests, num_prompt, world)
+    options = options or PDOptions()
+    if order is None:
+        order = input_order(r.request_id for r in requests)
+    stats = spawn_ranks(pd_rank, world, (num_prompt, engine_args, decode_args, per_rank,
+                                         output_path, options))
+    merge_outputs(output_path, order, [part_path(output_path, r) for r in range(world)])
+    return stats
+
+
+# ====================================================================== the CLI
+def pd_requests(pending: list[InputRecord], args: argparse.Namespace,
+                default_params: SamplingParams) -> tuple[list[PDRequest], int]:
+    """``PDRequest``s of the good records; the others (bad line, invalid sampling values,
+    n > 1) are appended to ``args.output`` as error records at once. Returns the requests
+    and the number of error records. Checks that need the tokenizer or the engines'
+    sizes (an over-long prompt) are made by the PROMPT ranks, which write those errors."""
+    requests: list[PDRequest] = []
+
+    def accept(rec: InputRecord, sp: SamplingParams, prompt, messages) -> None:
+        check_pd_params(rec.id, sp)
+        requests.append(PDRequest(rec.id, prompt=prompt, messages=messages, params=sp))
+
+    with open(args.output, "a", encoding="utf-8") as out:
+        failed = queue_records(pending, default_params, args.chat, out, accept)
+    return requests, failed
+
+
+def pd_job_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
+                default_params: SamplingParams, num_prompt: int) -> int:
+    """One process of a ``deepinfer-generate --pd`` run (spawned or under torchrun).
+    Rank 0 alone prepares the output (resume, early error records) and sends the requests
+    to all; after the rounds it merges the part files and reports. Returns the run's exit
+    status, the same on every rank. Raises ``RankFailedError`` when a rank fails."""
+    device = select_device(args.device, info.local_rank)
+    return run_in_group(info, device, args.dp_timeout, _pd_job_body, info, args,
+                        engine_args, default_params, num_prompt, device)
+
+
+def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
+                 default_params: SamplingParams, num_prompt: int, device: str) -> int:
+    rank0 = info.rank == 0
+    payload: list[Any] = [None]
+    if rank0:
+        inputs = list(read_inputs(args.input))
+        pending = pending_records(inputs, load_resume_state(args.output, inputs),
+                                  args.output)
+        requests, failed = pd_requests(pending, args, default_params) if pending else ([], 0)
+        payload = [(requests, failed, input_order(r.id for r in inputs))]
+    dist.broadcast_object_list(payload, src=0)
+    requests, failed, order = payload[0]
+    stats: list[dict[str, Any]] = []
+    if requests:
+        mine = split_requests(requests, num_prompt, info.world_size)[info.rank]
+        own = pd_worker(info, device, num_prompt, engine_args, engine_args, mine,
+                        args.output, PDOptions(timeout_s=args.dp_timeout))
+        stats = [{} for _ in range(info.world_size)]
+        # Also the point after which every part file is complete and closed.
+        dist.all_gather_object(stats, own)
+        if rank0:
+            merge_rank_parts(args.output, order, info.world_size)
+    failed += sum(s["errors"] for s in stats)
+    if rank0 and (requests or failed):
+        _report(args, requests, failed, stats)
+    # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
+    dist.barrier()
+    return 1 if failed else 0
+
+
+def _report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
+            stats: list[dict[str, Any]]) -> None:
+    """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
+    model loading excluded as in a one-engine run) and ``--show``."""
+    errors = sum(s["errors"] for s in stats)
+    if args.show and requests:
+        _show_merged(args.output, {r.request_id: r.prompt if r.prompt is not None
+                                   else r.messages for r in requests})
+    total = RunSummary.sum_over([RunSummary.from_dict(s) for s in stats])
+    total.num_ok, total.failed = len(requests) - errors, failed
+    print(total.format(), file=sys.stderr)
+    if stats:
+        print(f"pd: {sum(s['role'] == 'prompt' for s in stats)} prompt + "
+              f"{sum(s['role'] == 'completion' for s in stats)} completion ranks, "
+              f"{sum(s['handed_off'] for s in stats)} sequences handed off in "
+              f"{max(s['rounds'] for s in stats)} rounds, "
+              f"{sum(s['credit_waits'] for s in stats)} rounds waiting for decode credits",
+              file=sys.stderr)
+
+
+def _show_merged(output: str, prompts: dict[str, Any]) -> None:
+    """``--show`` for a PD run: results are printed once merged (the ranks write part
+    files; no process sees them as they finish)."""
+    with open(output, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["id"] in prompts and "outputs" in rec:
+                show_result(rec["id"], prompts[rec["id"]], rec["outputs"][0]["text"])

@@ -1,0 +1,295 @@
+"""Ranks: who this process is, how ranks are started (spawned here or by torchrun), how
+they join and leave the default process group, and how a failed rank is reported.
+
+Two ways in, same code: ``deepinfer-generate --dp N`` / ``--pd P:D`` spawn the ranks on
+this machine (``spawn_ranks``); under ``torchrun`` every process is already a rank
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
+``launch`` takes either way.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.jobs.parts import merge_outputs, part_path
+
+# Exit status of a run in which a rank died or a collective failed (1: records failed).
+EXIT_RANK_FAILED = 3
+
+
+class RankFailedError(RuntimeError):
+    """A rank died, raised, or lost contact with the group."""
+
+    def __init__(self, message: str, rank: int | None = None,
+                 exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        """The torchrun variables (LOCAL_* default to a single node)."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return cls(rank, world, int(os.environ.get("LOCAL_RANK", rank)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def torchrun_world_size() -> int:
+    """WORLD_SIZE when launched by torchrun (or an equivalent launcher), else 0."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 0
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (the rendezvous of locally spawned ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- the group
+def select_device(requested: str, local_rank: int) -> str:
+    """One GPU per rank on CUDA (GPU ``LOCAL_RANK``), else the requested CPU device."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise RankFailedError(
+                f"rank with LOCAL_RANK={local_rank} has no GPU: "
+                f"{torch.cuda.device_count()} visible on this node")
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return requested
+
+
+def check_gpu_count(device: str, world_size: int, what: str) -> None:
+    """Raise ``ValueError`` when ranks on ``device`` need more GPUs than this node has."""
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_cuda and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{what} needs {world_size} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
+
+
+def init_distributed(info: RankInfo, device: str, timeout_s: float) -> dist.ProcessGroup:
+    """Join the default group (env:// rendezvous: MASTER_ADDR/MASTER_PORT).
+
+    ``timeout_s`` bounds every collective: a rank that stops answering makes the others
+    fail after it instead of hanging (a dead peer is usually reported sooner by gloo).
+    """
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on one machine would otherwise each start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device(device)  # binds the communicator to our GPU
+    dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                            world_size=info.world_size,
+                            timeout=dt.timedelta(seconds=timeout_s), **kwargs)
+    return dist.group.WORLD
+
+
+def destroy_group() -> None:
+    """Leave the default group; a broken group may fail to tear down: ignored, since the
+    rank is exiting anyway."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def comm_device(device: str) -> torch.device:
+    """Where collective tensors live: the GPU for NCCL, the CPU for gloo."""
+    return torch.device(device) if device.startswith("cuda") else torch.device("cpu")
+
+
+def allreduce_ints(values: list[int], device: torch.device,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[int]:
+    """All-reduce a short list of ints over the default group."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def run_in_group(info: RankInfo, device: str, timeout_s: float,
+                 body: Callable[..., Any], *args: Any) -> Any:
+    """Join the group, run ``body(*args)``, leave the group; returns what ``body`` did.
+
+    A ``RuntimeError`` from a collective (gloo: "Connection closed by peer" as soon as a
+    rank dies; NCCL/gloo: a timeout) becomes ``RankFailedError``: which rank died is not
+    known here, the launcher reports it. The group is destroyed while the interpreter is
+    whole, after its last users are freed: a gloo group left for interpreter teardown can
+    abort the process at exit.
+    """
+    init_distributed(info, device, timeout_s)
+    error: RuntimeError | None = None
+    try:
+        result = body(*args)
+    except RuntimeError as e:
+        error = e
+        # The failed frames hold the engine, whose scheduler holds the group.
+        traceback.clear_frames(e.__traceback__)
+    finally:
+        gc.collect()
+        destroy_group()
+    if error is None:
+        return result
+    if isinstance(error, RankFailedError):
+        raise error
+    first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+    raise RankFailedError(f"rank {info.rank}: a collective failed, so another rank died "
+                          f"or stopped answering within {timeout_s:g}s ({first})")
+
+
+# ---------------------------------------------------------------------------- launching
+def launch(fn: Callable[..., int], world_size: int, fn_args: tuple = ()) -> int:
+    """Run ``fn(info, *fn_args)`` on every rank and return rank 0's exit status: in this
+    process under torchrun, else in ``world_size`` spawned processes. A failed rank is
+    reported on stderr and gives ``EXIT_RANK_FAILED``."""
+    if torchrun_world_size():
+        try:
+            return fn(RankInfo.from_env(), *fn_args)
+        except RankFailedError as e:
+            print(f"deepinfer-generate: {e}", file=sys.stderr)
+            return EXIT_RANK_FAILED
+    try:
+        status = spawn_ranks(fn, world_size, fn_args)
+    except RankFailedError as e:
+        print(f"deepinfer-generate: {e}; the other ranks were stopped. Records already "
+              "written are kept: rerun the same command to finish.", file=sys.stderr)
+        return EXIT_RANK_FAILED
+    return EXIT_RANK_FAILED if status is None else int(status)
+
+
+def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int,
+                 result_queue, fn_args: tuple) -> None:
+    """A spawned rank: the torchrun environment, then ``fn(info, *fn_args)``."""
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        result = fn(RankInfo(local_rank, nprocs, local_rank, nprocs), *fn_args)
+    except RankFailedError as e:
+        # Lost a peer: say so and exit with the code that tells the launcher "not me".
+        print(f"deepinfer-generate: {e}", file=sys.stderr)
+        sys.exit(EXIT_RANK_FAILED)
+    if local_rank == 0:
+        result_queue.put(result)  # SimpleQueue: written to the pipe before put returns
+    # Skip interpreter teardown: its records are flushed and closed, and gloo's worker
+    # threads can abort a process whose C++ state is destroyed at exit (a rare SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any:
+    """Run ``fn(info, *fn_args)`` in ``nprocs`` spawned processes; rank 0's return value.
+
+    ``fn`` must be a module-level function (it is pickled by reference). When a rank
+    fails, the others are stopped and ``RankFailedError`` names the rank that failed
+    first and its exit code. A rank that raises ``RankFailedError`` (it only lost contact
+    with a failed peer) exits with ``EXIT_RANK_FAILED``: it is then not blamed when the
+    root cause is known.
+    """
+    import multiprocessing.connection as mpc
+
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    pctx = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), results, fn_args),
+                              nprocs=nprocs, join=False, start_method="spawn")
+    procs = pctx.processes
+    alive = {p.sentinel: i for i, p in enumerate(procs)}
+    failed: list[int] = []
+
+    def reap(timeout: float) -> None:
+        for sentinel in mpc.wait(list(alive), timeout=timeout):
+            i = alive.pop(sentinel)
+            procs[i].join()
+            if procs[i].exitcode != 0:
+                failed.append(i)
+
+    try:
+        while alive and not failed:
+            reap(1.0)
+        # The root cause and the ranks that saw its connection close fail within
+        # milliseconds of each other: collect them before choosing whom to blame.
+        deadline = time.monotonic() + 2.0
+        while alive and failed and time.monotonic() < deadline:
+            reap(max(deadline - time.monotonic(), 0.0))
+    finally:
+        _stop(procs)
+    if not failed:
+        return None if results.empty() else results.get()
+    root = next((i for i in failed if procs[i].exitcode != EXIT_RANK_FAILED), failed[0])
+    code = procs[root].exitcode
+    what = f"rank {root} exited with code {code}"
+    if code < 0:
+        what += f" ({signal.Signals(-code).name})"
+    trace = _child_traceback(pctx, root)
+    if trace:
+        what += f": {trace.strip().splitlines()[-1]}"
+    raise RankFailedError(what, root, code)
+
+
+def _stop(procs) -> None:
+    """SIGTERM the ranks still running, then SIGKILL those that ignore it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 10.0
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _child_traceback(pctx, index: int) -> str | None:
+    """The traceback torch's spawn wrapper saved for a rank that raised, if any."""
+    path = getattr(pctx, "error_files", [None] * (index + 1))[index]
+    if not path or not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+# ---------------------------------------------------------------------------- output
+def merge_rank_parts(output: str, order: dict[str, int], world_size: int) -> None:
+    """Rank 0, once every rank closed its part: merge all parts into ``output``.
+
+    Raises ``RankFailedError`` if a part is not visible here (multi-node runs need the
+    output folder on a filesystem every node shares).
+    """
+    parts = [part_path(output, r) for r in range(world_size)]
+    missing = [p for p in parts if not os.path.exists(p)]
+    if missing:
+        raise RankFailedError(
+            f"rank 0 cannot see {missing[0]}: the output folder must be shared by all "
+            "nodes; part files stay where they are")
+    merge_outputs(output, order, parts)

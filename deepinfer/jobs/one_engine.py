@@ -1,0 +1,51 @@
+"""A job on one engine in this process: the records of ``--input`` through one
+``LLMEngine``, appended to ``--output`` as they finish, with resume, error records,
+progress bar and summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepinfer.engine import LLMEngine
+from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.progress import RunProgress
+from deepinfer.jobs.records import (
+    InputRecord,
+    result_record,
+    show_result,
+    submit_records,
+    write_record,
+)
+from deepinfer.jobs.resume import load_resume_state, pending_records
+from deepinfer.jobs.summary import RunSummary
+from deepinfer.sampling_params import SamplingParams
+
+
+def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
+                   default_params: SamplingParams, inputs: list[InputRecord]) -> int:
+    """Run ``inputs`` not yet in ``args.output``; returns the exit status (1 when a record
+    failed). ``args``: ``output``, ``chat``, ``show``, ``no_progress``."""
+    done = load_resume_state(args.output, inputs)
+    pending = pending_records(inputs, done, args.output)
+    if not pending:
+        return 0
+    engine = LLMEngine(engine_args)
+    with open(args.output, "a", encoding="utf-8") as out:
+        prompts, failed = submit_records(engine, pending, default_params, args.chat, out)
+        bar = RunProgress(len(prompts), disable=args.no_progress)
+        st = engine.stats
+        finished = 0
+
+        def progress() -> None:
+            bar.update(finished, st.prompt_tokens, st.generated_tokens)
+
+        for res in engine.drain(on_step=progress):
+            write_record(out, result_record(res))
+            finished += 1
+            if args.show:
+                show_result(res.request_id, prompts[res.request_id], res.outputs[0].text)
+        bar.close()
+    summary = RunSummary.of_engine(engine, len(prompts), failed, bar.elapsed())
+    print(summary.format(), file=sys.stderr)
+    return 1 if failed else 0

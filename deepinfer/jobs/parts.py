@@ -1,0 +1,87 @@
+"""Part files: each rank of a DP or PD run appends its records to ``OUTPUT.part{rank}``;
+at the end (or when a killed run is resumed) they are merged into the output in input
+order, through a temp file and ``os.replace``."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import sys
+from collections.abc import Iterable
+
+from deepinfer.jobs.records import valid_lines
+
+_PART_RE = re.compile(r"\.part(\d+)$")
+
+
+def part_path(output: str, rank: int) -> str:
+    """The part file of ``rank`` next to ``output``."""
+    return f"{output}.part{rank}"
+
+
+def list_part_files(output: str) -> list[str]:
+    """Part files of ``output`` (any rank count), by rank."""
+    paths = [p for p in glob.glob(glob.escape(output) + ".part*")
+             if _PART_RE.search(p[len(output):])]
+    return sorted(paths, key=lambda p: int(_PART_RE.search(p).group(1)))
+
+
+def input_order(ids: Iterable[str]) -> dict[str, int]:
+    """First input position of each id."""
+    order: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        order.setdefault(rid, i)
+    return order
+
+
+def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
+    """Rewrite ``output`` as its records plus those of ``parts``, in input order; then
+    remove the parts.
+
+    ``order``: input position of each id (ids not in it go last, in file order). Written
+    to a temp file and moved into place, so a kill at any point leaves the old output and
+    the parts, or the new output: never a half-written one. A line present twice (a kill
+    between the move and the removal of the parts) is kept once; records are copied byte
+    for byte.
+    """
+    sources = ([output] if os.path.exists(output) else []) + parts
+    entries: list[tuple[int, int, int, int, int]] = []  # key, seq, source, offset, length
+    seen: set[bytes] = set()
+    for si, path in enumerate(sources):
+        for offset, raw, rid in valid_lines(path):
+            digest = hashlib.blake2b(raw, digest_size=16).digest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            entries.append((order.get(rid, len(order)), len(entries), si, offset, len(raw)))
+    entries.sort()
+    tmp = f"{output}.merge.tmp"
+    files = [open(p, "rb") for p in sources]
+    try:
+        with open(tmp, "wb") as out:
+            for _, _, si, offset, length in entries:
+                f = files[si]
+                f.seek(offset)
+                out.write(f.read(length))
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        for f in files:
+            f.close()
+    os.replace(tmp, output)
+    for p in parts:
+        os.remove(p)
+
+
+def fold_part_files(output: str, inputs) -> bool:
+    """Merge part files left by a killed DP/PD run into ``output``; False if there were
+    none. ``inputs``: the input records (their order is the merge order)."""
+    parts = list_part_files(output)
+    if not parts:
+        return False
+    print(f"resuming: merging {len(parts)} part file(s) of an earlier run into {output}",
+          file=sys.stderr)
+    merge_outputs(output, input_order(r.id for r in inputs), parts)
+    return True

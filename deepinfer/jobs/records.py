@@ -1,0 +1,189 @@
+"""Input records (``.txt`` / ``.jsonl`` lines) and output records (one JSON line each).
+
+Input: ``.txt`` (one prompt per line, blank lines skipped; the id is the line number) or
+``.jsonl`` (objects with an optional ``id``, ``prompt`` or ``messages``, and optional
+sampling overrides, top level or under ``sampling_params``). A bad line becomes a record
+with ``error`` set, so that it fails alone. Output: ``{"id", "outputs": [...]}`` or
+``{"id", "error"}``, written and flushed one line at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
+
+from deepinfer.sampling_params import SamplingParams
+
+SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class InputRecord:
+    """One input line, parsed; ``error`` set when the line itself is bad."""
+
+    id: str
+    prompt: str | None = None
+    messages: Messages | None = None
+    overrides: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def shown_prompt(self) -> str | Messages | None:
+        """What ``--show`` prints as the prompt: the text, or the messages."""
+        return self.prompt if self.prompt is not None else self.messages
+
+
+def read_inputs(path: str) -> Iterator[InputRecord]:
+    """Yield one record per non-empty line; the default id is the 1-based line number.
+    Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file or
+    an unknown extension."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input {path!r}: no such file")
+    is_jsonl = path.endswith((".jsonl", ".json"))
+    if not is_jsonl and not path.endswith(".txt"):
+        raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if not is_jsonl:
+                yield InputRecord(id=str(lineno), prompt=line)
+                continue
+            yield parse_jsonl_line(line, lineno)
+
+
+def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
+    """One ``.jsonl`` line -> a record (``error`` set and naming the line if it is bad)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return InputRecord(id=str(lineno), error=f"line {lineno}: malformed JSON ({e.msg})")
+    if not isinstance(obj, dict):
+        return InputRecord(id=str(lineno), error=f"line {lineno}: expected a JSON object")
+    rid = str(obj.get("id", lineno))
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        return InputRecord(id=rid, error=f"line {lineno}: needs exactly one of "
+                                         "'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        return InputRecord(id=rid, error=f"line {lineno}: 'prompt' must be a string")
+    if messages is not None and not (
+        isinstance(messages, list)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+    ):
+        return InputRecord(id=rid, error=f"line {lineno}: 'messages' must be a list of "
+                                         "{'role', 'content'} objects")
+    overrides = dict(obj.get("sampling_params") or {})
+    overrides.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
+    unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params"}
+    if unknown:
+        return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
+    return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides)
+
+
+def mark_duplicates(pending: list[InputRecord]) -> None:
+    """Turn a repeated id of the input into an error record, so that every rank of a DP
+    run agrees on which record of a repeated id runs."""
+    seen: set[str] = set()
+    for rec in pending:
+        if rec.error is None and rec.id in seen:
+            rec.error = f"duplicate id {rec.id!r} in the input"
+        seen.add(rec.id)
+
+
+def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
+                   ) -> tuple[SamplingParams, str | None, Messages | None]:
+    """``(params, prompt, messages)`` of a good record: its sampling overrides applied and,
+    with ``chat``, a plain prompt wrapped as one user message. Raises ``ValueError`` for
+    invalid sampling values."""
+    sp = default_params.replace(**(rec.overrides or {}))
+    if rec.messages is not None or chat:
+        return sp, None, rec.messages or [{"role": "user", "content": rec.prompt}]
+    return sp, rec.prompt, None
+
+
+def queue_records(records: list[InputRecord], default_params: SamplingParams, chat: bool,
+                  out: TextIO, accept: Callable[..., None]) -> int:
+    """Resolve each record and pass it to ``accept(rec, params, prompt, messages)``; a bad
+    record (its line, its sampling values, or a ``ValueError`` from ``accept``) is written
+    to ``out`` as an error record instead. Returns the number of error records."""
+    failed = 0
+    for rec in records:
+        error = rec.error
+        if error is None:
+            try:
+                accept(rec, *resolve_record(rec, default_params, chat))
+            except ValueError as e:
+                error = str(e)
+        if error is not None:
+            failed += 1
+            write_record(out, error_record(rec.id, error))
+    return failed
+
+
+def submit_records(engine, records: list[InputRecord], default_params: SamplingParams,
+                   chat: bool, out: TextIO) -> tuple[dict[str, Any], int]:
+    """Queue ``records`` on ``engine`` (an ``LLMEngine``); bad ones are written to ``out``
+    as error records. Returns the shown prompt of each queued request by id (for
+    ``--show``) and the number of error records written."""
+    prompts: dict[str, Any] = {}
+
+    def accept(rec: InputRecord, sp: SamplingParams, prompt, msgs) -> None:
+        engine.add_request(rec.id, prompt, None, sp, messages=msgs)
+        prompts[rec.id] = rec.shown_prompt
+
+    failed = queue_records(records, default_params, chat, out, accept)
+    return prompts, failed
+
+
+def valid_lines(path: str) -> Iterator[tuple[int, bytes, str]]:
+    """``(offset, raw_line, id)`` of each whole output record of ``path``, in file order.
+
+    The one rule for a valid output line: a whole line (it ends with a newline) holding a
+    JSON object with an ``id``. Stops at the first line that is not (a killed writer
+    leaves at most its last line torn; what follows it is dropped)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                return
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return
+            if not isinstance(rec, dict) or "id" not in rec:
+                return
+            yield offset, raw, str(rec["id"])
+            offset += len(raw)
+
+
+def write_record(out: TextIO, record: dict[str, Any]) -> None:
+    """One JSON line, flushed at once so that a killed run keeps every finished record."""
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def error_record(record_id: str, error: str) -> dict[str, Any]:
+    """The output line of a record that failed."""
+    return {"id": record_id, "error": error}
+
+
+def result_record(res) -> dict[str, Any]:
+    """The output line of one finished request (a ``RequestOutput``)."""
+    return {"id": res.request_id, "outputs": [
+        {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        for o in res.outputs
+    ]}
+
+
+def show_result(record_id: str, prompt: Any, text: str, prefix: str = "") -> None:
+    """``--show``: one finished record, printed above the progress bar."""
+    tqdm.write(f"{prefix}[{record_id}] {prompt!r}\n  -> {text!r}", file=sys.stdout)
