@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: install test lint generate bench clean
+.PHONY: install test lint generate bench clean compile-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(STAMP)
 generate: $(STAMP)
 	rm -f out/generations.jsonl
 	$(VENV)/bin/deepinfer-generate --input examples/prompts.jsonl --output out/generations.jsonl --chat --show
+
+# Every kernel configuration AOT-compiled for sm_80 and sm_90 (no GPU needed): compile
+# errors, shared memory, register spills. `make test` compiles a subset.
+compile-check: $(STAMP)
+	DEEPINFER_COMPILE_FULL=1 $(PY) -m pytest -q tests/kernels/test_compile.py
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-enable

@@ -2,13 +2,17 @@
 
 On CUDA every timing is ``triton.testing.do_bench`` (kernel time, median ms). Baselines:
 torch ``scaled_dot_product_attention`` on the same data gathered contiguous (gather not
-timed; flash backend forced when it accepts the inputs) and flash-attn's
-``flash_attn_with_kvcache`` with a block table when flash_attn is importable (flash-attn 2
-needs pages of 256 tokens, so it reads the gathered data through a 256-token block table).
+timed; flash backend forced when it accepts the inputs), FlexAttention (``torch.compile``d
+``flex_attention`` on the same gathered data, causal block mask; on a subset of the cases,
+since every new shape costs a compile; ``DEEPINFER_BENCH_FLEX=0`` skips it) and
+flash-attn's ``flash_attn_with_kvcache`` with a block table when flash_attn is importable
+(flash-attn 2 needs pages of 256 tokens, so it reads the gathered data through a 256-token
+block table).
 
 On CPU the same file runs the reference ops and the interpreted Triton ops at tiny sizes
 (a smoke test). Results go to ``benchmarks/results/kernels-<device>.{json,md}`` when
-``DEEPINFER_BENCH_SAVE=1`` (scripts/gpu_ci.sh sets it), else to a temporary directory.
+``DEEPINFER_BENCH_SAVE=1``, to ``$DEEPINFER_BENCH_OUT`` when set (scripts/gpu_ci.sh sets
+it to its results folder), else to a temporary directory.
 
     DEEPINFER_BENCH_SAVE=1 python -m pytest benchmarks/bench_kernels.py -q -s
 """
@@ -33,6 +37,8 @@ from kernels import reference
 IS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
 SAVE = os.environ.get("DEEPINFER_BENCH_SAVE") == "1"
+OUT = os.environ.get("DEEPINFER_BENCH_OUT")
+FLEX = IS_CUDA and os.environ.get("DEEPINFER_BENCH_FLEX", "1") != "0"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 try:  # pytest-benchmark is a dev dependency; keep the file usable without it.
@@ -161,10 +167,59 @@ def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.T
         return None
 
 
+_FLEX_COMPILED: Callable | None = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """FlexAttention on [B, H, L, D] tensors (CUDA only), or None where it is unavailable.
+
+    ``causal``: query i sees keys up to ``i + Lk - Lq`` (bottom-right aligned, so a cached
+    prefix is visible to every query, as in the paged kernel). Compiled once per shape:
+    eager flex_attention materializes the scores, so it is never a fair baseline.
+    """
+    global _FLEX_COMPILED
+    if not FLEX:
+        return None
+    try:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    if _FLEX_COMPILED is None:
+        # One recompile per benchmarked shape; past the limit dynamo would fall back to
+        # the eager (score-materializing) implementation.
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, max(64, getattr(dynamo_config, knob)))
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    lq, lk = q.shape[2], k.shape[2]
+    block_mask = None
+    if causal:
+        offset = lk - lq
+
+        def bottom_right(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        block_mask = create_block_mask(bottom_right, None, None, lq, lk, device=q.device)
+    gqa = k.shape[1] != q.shape[1]
+    compiled = _FLEX_COMPILED
+    try:
+        fn = lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)  # noqa: E731
+        fn()
+        return fn
+    except Exception:  # noqa: BLE001 - this torch's flex cannot run the case: no baseline
+        return None
+
+
 DECODE_GRID = (
     [(b, c) for b in (1, 16, 64, 256) for c in (512, 4096, 32768)] if IS_CUDA
     else [(1, 64), (2, 48)]
 )
+
+
+# Flex compiles per shape (seconds each): a few representative cases, not the whole grid.
+FLEX_DECODE = {(16, 4096), (64, 4096)}
+FLEX_PREFILL = {(4, 2048, 0.0), (4, 2048, 0.5), (16, 512, 0.0)}
 
 
 @pytest.mark.parametrize("batch, ctx", DECODE_GRID)
@@ -195,6 +250,10 @@ def test_bench_decode(benchmark, batch, ctx):
         fa = _flash_attn(q[:, None], k, v, lens)
         if fa is not None:
             _record("decode", case, "flash-attn", _time_ms(fa), gbytes=gbytes)
+        if (batch, ctx) in FLEX_DECODE:
+            fx = _flex(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), causal=False)
+            if fx is not None:
+                _record("decode", case, "flex", _time_ms(fx), gbytes=gbytes)
         del k, v
     benchmark(run)
 
@@ -254,6 +313,10 @@ def test_bench_prefill(benchmark, num_seqs, seq_len, cached):
         fa = _flash_attn(qb, k, v, lens)
         if fa is not None:
             _record("prefill", case, "flash-attn", _time_ms(fa), tflop=tflop)
+        if (num_seqs, seq_len, cached) in FLEX_PREFILL:
+            fx = _flex(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+            if fx is not None:
+                _record("prefill", case, "flex", _time_ms(fx), tflop=tflop)
         del k, v
     benchmark(run)
 
@@ -312,8 +375,10 @@ def _write_results(tmp_path_factory):
         "torch": torch.__version__, "triton": triton.__version__,
         "dtype": str(DTYPE).replace("torch.", ""), "heads": f"{HQ}q/{HKV}kv x {D}",
         "block_size": BS, "flash_attn": flash_attn_with_kvcache is not None,
+        "flex": FLEX,
     }
-    out_dir = RESULTS_DIR if SAVE else tmp_path_factory.mktemp("bench_kernels")
+    out_dir = (Path(OUT) if OUT else RESULTS_DIR if SAVE
+               else tmp_path_factory.mktemp("bench_kernels"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"kernels-{slug}.json").write_text(
         json.dumps({"meta": meta, "results": _ROWS}, indent=2) + "\n")

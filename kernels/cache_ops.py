@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import int_view, interpreting
+from kernels.runtime import Launch, Target, int_view, run_launches
 from kernels.validation import INDEX_DTYPES, check_runnable_device, check_tensor, fail
 
 
@@ -52,9 +52,9 @@ def _copy_rows_kernel(
             tl.store(dst_base + offs, vals, mask=mask)
 
 
-def _block_for(row_elems: int) -> int:
+def _block_for(row_elems: int, target: Target) -> int:
     # GPU: 4K words per step keeps enough bytes in flight; interpreter: one big step.
-    cap = 1 << 16 if interpreting() else 4096
+    cap = 1 << 16 if target.interpret else 4096
     return min(cap, triton.next_power_of_2(max(row_elems, 16)))
 
 
@@ -78,15 +78,21 @@ def clone_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     p = _check_pairs("pairs", pairs, device)
     if p.shape[0] == 0 or cache.numel() == 0:
         return
-    num_layers, _, num_blocks = cache.shape[:3]
-    block_bytes = cache[0, 0, 0].numel() * cache.element_size()
-    words = int_view(cache, block_bytes)
-    word = words.element_size()
-    row_elems = block_bytes // word
-    _copy_rows_kernel[(p.shape[0], num_layers * 2)](
-        words, p, num_blocks, row_elems, num_blocks * row_elems,
-        p.stride(0), p.stride(1), BLOCK=_block_for(row_elems), ZERO=False, num_warps=4,
-    )
+    run_launches(clone_blocks_launches(cache, p, Target.of(device)))
+
+
+def clone_blocks_launches(kv_cache: torch.Tensor, pairs: torch.Tensor, target: Target
+                          ) -> list[Launch]:
+    """The launch of ``clone_blocks`` for validated, non-empty arguments (a pure function of
+    shapes, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    num_layers, _, num_blocks = kv_cache.shape[:3]
+    block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+    words = int_view(kv_cache, block_bytes)
+    row_elems = block_bytes // words.element_size()
+    return [Launch(_copy_rows_kernel, (pairs.shape[0], num_layers * 2), (
+        words, pairs, num_blocks, row_elems, num_blocks * row_elems,
+        pairs.stride(0), pairs.stride(1),
+    ), dict(BLOCK=_block_for(row_elems, target), ZERO=False, num_warps=4))]
 
 
 def _check_states(states: object, device: torch.device) -> list[torch.Tensor]:
@@ -102,18 +108,23 @@ def _check_states(states: object, device: torch.device) -> list[torch.Tensor]:
     return checked
 
 
-def _launch_states(states: list[torch.Tensor], idx: torch.Tensor, zero: bool) -> None:
+def state_launches(states: Sequence[torch.Tensor], idx: torch.Tensor, zero: bool,
+                   target: Target) -> list[Launch]:
+    """The launches of ``zero_states`` (``zero``, idx ``[M]``) or ``clone_states`` (idx
+    ``[P, 2]``) for validated arguments: one per non-empty state tensor (a pure function of
+    shapes, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    launches = []
     for t in states:
         if t.numel() == 0:
             continue
         row_bytes = t[0].numel() * t.element_size()
         words = int_view(t, row_bytes)
         row_elems = row_bytes // words.element_size()
-        _copy_rows_kernel[(idx.shape[0], 1)](
+        launches.append(Launch(_copy_rows_kernel, (idx.shape[0], 1), (
             words, idx, t.shape[0], row_elems, 0,
             idx.stride(0), idx.stride(1) if idx.dim() == 2 else 0,
-            BLOCK=_block_for(row_elems), ZERO=zero, num_warps=4,
-        )
+        ), dict(BLOCK=_block_for(row_elems, target), ZERO=zero, num_warps=4)))
+    return launches
 
 
 def zero_states(states: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
@@ -127,7 +138,7 @@ def zero_states(states: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
     checked = _check_states(states, device)
     if sl.shape[0] == 0:
         return
-    _launch_states(checked, sl, zero=True)
+    run_launches(state_launches(checked, sl, True, Target.of(device)))
 
 
 def clone_states(states: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
@@ -142,4 +153,4 @@ def clone_states(states: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
     checked = _check_states(states, device)
     if p.shape[0] == 0:
         return
-    _launch_states(checked, p, zero=False)
+    run_launches(state_launches(checked, p, False, Target.of(device)))

@@ -15,7 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import capability, dot_flags, interpreting, next_pow2, num_sms, pad_dim
+from kernels.runtime import (
+    Launch,
+    Target,
+    dot_flags,
+    next_pow2,
+    num_sms,
+    pad_dim,
+    run_launches,
+)
 from kernels.tl_helpers import mma
 from kernels.validation import check_attention_common, check_optional_int, check_out, check_scale
 
@@ -133,37 +141,109 @@ def _merge_kernel(
              o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _decode_config(head_dim_pad: int, elem_bytes: int, device: torch.device) -> dict[str, int]:
+def _decode_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[str, int]:
     """Tile size and launch parameters (deterministic; sized by hand for H100/H200).
 
     Decode streams K/V once, so the goal is enough bytes in flight per SM: a tile of keys
     per step, pipelined 3 deep, as wide as the register file allows without spilling (64
-    keys of 128-byte rows, 32 of 256-byte rows, else 16).
+    keys of 128-byte rows, 32 of 256-byte rows, else 16). tests/kernels/test_compile.py
+    checks that none of these spills on sm_80 or sm_90.
     """
-    if interpreting():
+    if target.interpret:
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1}
     row_bytes = head_dim_pad * elem_bytes
     # Register budget (sm_90 compile, cuobjdump -res-usage): 64 keys of 256-byte rows
     # spill at d=128 16-bit; 32 do not. fp32 d=128 needs 16.
     block_n = 64 if row_bytes <= 128 else 32 if row_bytes <= 256 else 16
     stage_bytes = 2 * block_n * row_bytes  # one K tile + one V tile
-    stages = 3 if capability(device)[0] >= 8 and 3 * stage_bytes <= 100_000 else 2
+    stages = 3 if target.capability[0] >= 8 and 3 * stage_bytes <= 100_000 else 2
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, bound: int, block_n: int,
-                      device: torch.device) -> int:
+                      sms: int | torch.device) -> int:
     """How many KV splits to use so that ``batch * kv_heads * splits`` fills the GPU.
 
     No splitting once the unsplit grid already covers every SM; otherwise aim for about two
     programs per SM, with at least four key tiles per split so the merge stays cheap.
+    ``sms``: the SM count (or a device to ask).
     """
     programs = batch * num_kv_heads
-    sms = num_sms(device)
+    if isinstance(sms, torch.device):
+        sms = num_sms(sms)
     if programs >= sms or bound <= 0:
         return 1
     by_length = max(1, bound // (4 * block_n))
     return max(1, min(math.ceil(2 * sms / programs), by_length, _MAX_SPLITS))
+
+
+def decode_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    num_splits: int | None,
+    max_seq_len: int | None,
+    target: Target,
+) -> list[Launch]:
+    """The launches of ``paged_decode_attention`` for validated, non-empty arguments.
+
+    A pure function of shapes, strides, dtypes, the host hints and ``target`` (the split
+    buffers are allocated on q's device, so meta tensors plan without any GPU), shared by
+    the op and by ``kernels.compile_check``.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    capacity = block_tables.shape[1] * block_size
+    bound = capacity if max_seq_len is None else min(max_seq_len, capacity)
+    group = num_q_heads // num_kv_heads
+    d_pad = pad_dim(head_dim)
+    cfg = _decode_config(d_pad, q.element_size(), target)
+    block_n = cfg["BLOCK_N"]
+    # The merge keeps a [splits, D] fp32 tile in registers: 64 splits at most.
+    splits = min(num_splits, _MAX_SPLITS) if num_splits is not None else choose_num_splits(
+        batch, num_kv_heads, bound, block_n, target.num_sms)
+    split_len = max(block_n, triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n)
+    precision, upcast = dot_flags(q.dtype, target.interpret)
+    common = dict(
+        GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if splits == 1:
+        return [Launch(_decode_kernel, (batch, num_kv_heads, 1), (
+            q, k_cache, v_cache, block_tables, seq_lens,
+            out, out, out,
+            sm_scale * LOG2E, split_len,
+            q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            0, 0, 0, 0, 0,
+        ), dict(SPLIT=False, **common))]
+
+    part = torch.empty((batch, splits, num_q_heads, d_pad), dtype=torch.float32,
+                       device=q.device)
+    lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
+    return [
+        Launch(_decode_kernel, (batch, num_kv_heads, splits), (
+            q, k_cache, v_cache, block_tables, seq_lens,
+            out, part, lse,
+            sm_scale * LOG2E, split_len,
+            q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        ), dict(SPLIT=True, **common)),
+        Launch(_merge_kernel, (batch, num_q_heads), (
+            part, lse, out, splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+        ), dict(HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(splits),
+                num_warps=1 if target.interpret else 4)),
+    ]
 
 
 def paged_decode_attention(
@@ -191,62 +271,12 @@ def paged_decode_attention(
     """
     q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
         q, k_cache, v_cache, block_tables, seq_lens)
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    sm_scale = check_scale(scale, head_dim)
+    sm_scale = check_scale(scale, q.shape[2])
     forced = check_optional_int("num_splits", num_splits, 1)
     hint = check_optional_int("max_seq_len", max_seq_len, 0)
     out = torch.empty_like(q) if out is None else check_out(out, q)
-    if batch == 0 or num_q_heads == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0:
         return out
-
-    capacity = block_tables.shape[1] * block_size
-    bound = capacity if hint is None else min(hint, capacity)
-    group = num_q_heads // num_kv_heads
-    d_pad = pad_dim(head_dim)
-    cfg = _decode_config(d_pad, q.element_size(), q.device)
-    block_n = cfg["BLOCK_N"]
-    # The merge keeps a [splits, D] fp32 tile in registers: 64 splits at most.
-    splits = min(forced, _MAX_SPLITS) if forced is not None else choose_num_splits(
-        batch, num_kv_heads, bound, block_n, q.device)
-    split_len = max(block_n, triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n)
-    precision, upcast = dot_flags(q.dtype)
-    common = dict(
-        GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    if splits == 1:
-        _decode_kernel[(batch, num_kv_heads, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens,
-            out, out, out,
-            sm_scale * LOG2E, split_len,
-            q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            0, 0, 0, 0, 0,
-            SPLIT=False, **common,
-        )
-        return out
-
-    part = torch.empty((batch, splits, num_q_heads, d_pad), dtype=torch.float32,
-                       device=q.device)
-    lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        out, part, lse,
-        sm_scale * LOG2E, split_len,
-        q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        SPLIT=True, **common,
-    )
-    _merge_kernel[(batch, num_q_heads)](
-        part, lse, out, splits,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=next_pow2(splits),
-        num_warps=4 if not interpreting() else 1,
-    )
+    run_launches(decode_launches(q, k_cache, v_cache, block_tables, seq_lens, out, sm_scale,
+                                 forced, hint, Target.of(q.device)))
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import capability, dot_flags, interpreting, pad_dim
+from kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
 from kernels.tl_helpers import mma
 from kernels.validation import (
     check_attention_common,
@@ -67,7 +67,7 @@ def _attend_tiles(
 
 
 @triton.jit
-def _prefill_kernel(
+def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     qk_scale,
     stride_qt, stride_qh,
@@ -121,30 +121,82 @@ def _prefill_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _prefill_config(head_dim_pad: int, elem_bytes: int, device: torch.device
-                    ) -> dict[str, int]:
-    """Tile sizes and launch parameters (deterministic).
+# Compiled tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) by (element bytes, padded
+# head_dim), chosen so that nothing spills on sm_80 or sm_90 (Triton 3.6 and 3.9, ptxas
+# stack frame 0; tests/kernels/test_compile.py checks every configuration the engine uses).
+# 16-bit keeps tensor-core tiles (BLOCK_M >= 64: wgmma on sm_90, mma.sync on sm_80); wider
+# heads trade BLOCK_M or warps for the fp32 accumulator ([BLOCK_M, D] / threads registers).
+# fp32 ("ieee" dot, no tensor cores) holds whole K rows of each operand per thread, so its
+# tiles are much smaller; it is a test dtype, rarely served.
+_PREFILL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    # Registers as sm_90 / sm_80 (Triton 3.9; 3.6 within a few, except where noted).
+    # 128x32 x 4 warps: 168-174 / 254 (ptxas fills the file on sm_80; no stack).
+    (2, 64): (128, 32, 4, 3),
+    # 128x64 spills at d=128 (255 registers + stack); 128x32 x 8 warps: 136-140 / 200-204.
+    (2, 128): (128, 32, 8, 3),
+    # 64x32 x 4 warps spilled 96 B on sm_80 (72 B with 3.6) and sat at 254-255 registers
+    # on sm_90; 8 warps: 188-190 / 194-198 (3.6: 175-180 / 246-254).
+    (2, 256): (64, 32, 8, 3),
+    # fp32: the old 128x32 / 64x32 / 32x32 tiles spilled 560 / 1,880 / 1,888 B on sm_90
+    # (3.6: 544 / 6,232 / 5,992 B); these use 78-80 / 74-78 / 128-168 registers.
+    (4, 64): (64, 16, 8, 2),
+    (4, 128): (32, 16, 8, 2),
+    (4, 256): (16, 16, 4, 2),
+}
+_PREFILL_WIDE = (32, 32, 4, 2)  # head_dim > 256: not served today, not compile-checked
 
-    Compiled, 16-bit: 128x32 tiles for d<=128 (128x64 spills registers), 8 warps for
-    d=128, 64x32 for 256-wide heads so Q, the pipelined K/V
-    stages and the accumulator fit. fp32 (tests, rarely served) halves the tiles: its rows
-    are twice as wide in shared memory. Interpreter: small tiles, because the tests want
-    several tiles per sequence and its cost grows with the number of tile steps.
+
+def _prefill_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[str, int]:
+    """Tile sizes and launch parameters (deterministic): see ``_PREFILL_TILES``.
+
+    Interpreter: small tiles, because the tests want several tiles per sequence and its
+    cost grows with the number of tile steps.
     """
-    if interpreting():
+    if target.interpret:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 1, "num_stages": 1}
-    major = capability(device)[0]
-    stages = 3 if major >= 8 else 2
-    row_bytes = head_dim_pad * elem_bytes
-    # BLOCK_N 32, not 64: compiled for sm_90 (Triton 3.9, cuobjdump -res-usage), 128x64
-    # tiles hit 255 registers and spill 288-304 B of stack; 128x32 with 8 warps does not.
-    if row_bytes <= 128:  # d<=64 16-bit
-        return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": stages}
-    if row_bytes <= 256:  # d=128 16-bit, d<=64 fp32
-        return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": stages}
-    if row_bytes <= 512:  # d=256 16-bit, d=128 fp32
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    # Heads below 64 use the d=64 tiles (their padded rows are narrower still).
+    key = (min(elem_bytes, 4), max(64, head_dim_pad))
+    block_m, block_n, warps, stages = _PREFILL_TILES.get(key, _PREFILL_WIDE)
+    if target.capability[0] < 8:  # no cp.async pipelining before sm_80
+        stages = min(stages, 2)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def prefill_launches(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    max_q: int,
+    target: Target,
+) -> list[Launch]:
+    """The launch of ``paged_prefill_attention`` for validated, non-empty arguments.
+
+    A pure function of shapes, strides, dtypes, ``max_q`` (the grid's query bound) and
+    ``target``, shared by the op and by ``kernels.compile_check``.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    d_pad = pad_dim(head_dim)
+    cfg = _prefill_config(d_pad, q.element_size(), target)
+    precision, upcast = dot_flags(q.dtype, target.interpret)
+    grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, seq_lens.shape[0])
+    return [Launch(prefill_kernel, grid, (
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+    ), dict(
+        GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    ))]
 
 
 def paged_prefill_attention(
@@ -187,20 +239,6 @@ def paged_prefill_attention(
     max_q = num_tokens if hint is None else min(hint, num_tokens)
     if max_q == 0:
         return out
-    d_pad = pad_dim(head_dim)
-    cfg = _prefill_config(d_pad, q.element_size(), q.device)
-    precision, upcast = dot_flags(q.dtype)
-    grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, qsl, seq_lens, out,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    run_launches(prefill_launches(q, k_cache, v_cache, block_tables, qsl, seq_lens, out,
+                                  sm_scale, max_q, Target.of(q.device)))
     return out

@@ -1,4 +1,5 @@
-"""Host-side helpers shared by the Triton ops: interpreter detection, SM count, padding.
+"""Host-side helpers shared by the Triton ops: interpreter detection, SM count, padding,
+and the ``Target``/``Launch`` split between choosing a launch and running it.
 
 Nothing here touches device data, so nothing here can cause a host-device sync.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,17 +60,61 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(index)
 
 
-def dot_flags(dtype: torch.dtype) -> tuple[str | None, bool]:
+def dot_flags(dtype: torch.dtype, interpret: bool | None = None) -> tuple[str | None, bool]:
     """(``input_precision`` for ``tl.dot``, whether to upcast dot operands to fp32).
 
     fp32 inputs use "ieee": the default TF32 would lose ~3 decimal digits and break the
     fp32 contract. The interpreter (triton 3.9) multiplies bf16 operands as their raw
     uint16 bits, so under the interpreter bf16 operands are upcast to fp32 first; compiled
-    kernels keep bf16 operands for the tensor cores.
+    kernels keep bf16 operands for the tensor cores. ``interpret`` defaults to
+    ``interpreting()``.
     """
+    if interpret is None:
+        interpret = interpreting()
     precision = "ieee" if dtype == torch.float32 else None  # None: Triton's default
-    upcast = interpreting() and dtype == torch.bfloat16
+    upcast = interpret and dtype == torch.bfloat16
     return precision, upcast
+
+
+@dataclass(frozen=True)
+class Target:
+    """Everything a launch configuration depends on besides shapes, strides and dtypes.
+
+    The launchers take it explicitly (instead of asking the device) so that the same choice
+    code can be run for a GPU that is not there: ``kernels.compile_check`` plans launches
+    for sm_80/sm_90 on a CPU machine and compiles exactly what the engine would run.
+    """
+
+    capability: tuple[int, int]  # (0, 0) off-GPU
+    num_sms: int
+    interpret: bool
+
+    @staticmethod
+    def of(device: torch.device) -> Target:
+        """The target the ops run on for tensors on ``device``."""
+        return Target(capability(device), num_sms(device), interpreting())
+
+
+@dataclass
+class Launch:
+    """One kernel launch, fully decided: ``kernel[grid](*args, **kwargs)``.
+
+    ``kwargs`` holds the constexprs and the launch options (num_warps, num_stages).
+    """
+
+    kernel: Any  # a triton JITFunction (an InterpretedFunction under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def run_launches(launches: list[Launch]) -> None:
+    """Run planned launches in order (on the current stream)."""
+    for launch in launches:
+        launch()
 
 
 def int_view(t: torch.Tensor, row_bytes: int) -> torch.Tensor:

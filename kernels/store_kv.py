@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import interpreting, next_pow2
+from kernels.runtime import Launch, Target, next_pow2, run_launches
 from kernels.validation import (
     FLOAT_DTYPES,
     check_kv_caches,
@@ -76,19 +76,34 @@ def store_kv(
     sm = check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,),
                       device=device, contiguous=True)
     check_shape("slot_mapping", sm, (kt.shape[0],))
-    num_tokens, num_heads, head_dim = kt.shape
-    if num_tokens == 0 or kc.numel() == 0:
+    if kt.shape[0] == 0 or kc.numel() == 0:
         return
+    run_launches(store_kv_launches(kt, vt, kc, vc, sm, Target.of(device)))
+
+
+def store_kv_launches(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    target: Target,
+) -> list[Launch]:
+    """The launch of ``store_kv`` for validated, non-empty arguments (a pure function of
+    shapes, strides, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    num_tokens, num_heads, head_dim = k.shape
     block_hd = next_pow2(num_heads * head_dim)
     # ~4K elements per program on GPU; the interpreter prefers fewer, larger programs.
-    block_t = max(1, min(next_pow2(num_tokens), (16384 if interpreting() else 4096) // block_hd))
+    per_program = 16384 if target.interpret else 4096
+    block_t = max(1, min(next_pow2(num_tokens), per_program // block_hd))
     grid = (triton.cdiv(num_tokens, block_t),)
-    _store_kv_kernel[grid](
-        kt, vt, kc, vc, sm,
-        num_tokens, kc.shape[0] * kc.shape[1],
-        kt.stride(0), kt.stride(1), vt.stride(0), vt.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        BLOCK_SIZE=kc.shape[1], HEAD_DIM=head_dim, NUM_HEADS=num_heads,
+    return [Launch(_store_kv_kernel, grid, (
+        k, v, k_cache, v_cache, slot_mapping,
+        num_tokens, k_cache.shape[0] * k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    ), dict(
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_HEADS=num_heads,
         BLOCK_T=block_t, BLOCK_HD=block_hd,
         num_warps=4,
-    )
+    ))]

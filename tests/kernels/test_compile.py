@@ -1,0 +1,122 @@
+"""Ahead-of-time compilation of every kernel for sm_80 and sm_90, with no GPU.
+
+The interpreter tests check numerics; these check what only the compiler sees: compile
+errors, shared memory over the target's limit, register spills, and 16-bit attention
+falling off the tensor cores. Launches are planned by the ops' own ``*_launches``
+functions (see ``kernels.compile_check``), so a launcher change is covered.
+
+``make test`` compiles a representative subset (about a minute on 2 cores with a cold
+Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
+x op x target, ~670 kernels) runs with ``DEEPINFER_COMPILE_FULL=1``: ``make
+compile-check`` and scripts/gpu_ci.sh. ``DEEPINFER_COMPILE_JOBS`` sets its process count;
+``DEEPINFER_COMPILE_OUT`` a folder for its table (markdown) and results (JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kernels import compile_check as cc  # noqa: E402
+
+QUICK = cc.quick_cases()
+FULL_ENABLED = os.environ.get("DEEPINFER_COMPILE_FULL", "") not in ("", "0")
+
+
+def _jobs(default: int) -> int:
+    return int(os.environ.get("DEEPINFER_COMPILE_JOBS", default))
+
+
+@pytest.fixture(scope="module")
+def quick_verdicts() -> dict[str, list[str]]:
+    results = cc.results_from_subprocess(QUICK, jobs=_jobs(min(2, os.cpu_count() or 1)),
+                                         timeout=900)
+    return cc.verdicts(QUICK, results)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
+def test_compiles_fits_and_does_not_spill(case: cc.Case, quick_verdicts) -> None:
+    assert quick_verdicts[case.id] == []
+
+
+def test_quick_subset_covers_the_axes() -> None:
+    """Every tile configuration (target x element size x head_dim) of prefill and decode,
+    both decode paths, store_kv and a copy op are in the subset ``make test`` compiles."""
+    for arch in cc.ARCHS:
+        prefill = {(c.dtype, c.head_dim) for c in QUICK if c.op == "prefill" and c.arch == arch}
+        assert prefill == {(dt, d) for dt in cc.DTYPES for d in (64, 128, 256)}
+        ops = {c.op for c in QUICK if c.arch == arch}
+        assert {"decode", "decode_split", "store_kv", "clone_blocks"} <= ops
+        decode = [c for c in QUICK if c.arch == arch and c.op.startswith("decode")]
+        # The decode tile depends on head_dim and element size: every one is compiled.
+        assert {(c.dtype == "fp32", c.head_dim) for c in decode} == {
+            (wide, d) for wide in (False, True) for d in (64, 128, 256)}
+        assert {c.op for c in decode if c.dtype == "fp32"} == {"decode", "decode_split"}
+        assert {c.op for c in decode if c.dtype != "fp32"} == {"decode", "decode_split"}
+
+
+def test_planning_matches_the_case() -> None:
+    """The planner yields the launches a case names (in-process, meta tensors: no compile):
+    split + merge for decode_split, one per state tensor (two) for the state ops."""
+    two = ("decode_split", "zero_states", "clone_states")
+    for case in QUICK:
+        launches = cc.plan(case)
+        assert len(launches) == (2 if case.op in two else 1), case.id
+
+
+def test_verdict_rules() -> None:
+    """What fails: a compile error, shared memory over the limit, a spill where the engine
+    runs (fp32 on sm_80 may spill), a 16-bit attention kernel without tensor-core mma."""
+    fp32_80 = cc.Case("prefill", "sm_80", "fp32", 128)
+    bf16_80 = cc.Case("prefill", "sm_80", "bf16", 128)
+    fp32_90 = cc.Case("prefill", "sm_90", "fp32", 128)
+    ok = cc.KernelResult("x", "prefill_kernel", "", regs=200, stack=0, local=0,
+                         shared=50_000, tensor_cores=True)
+
+    def problems(case: cc.Case, **changes: object) -> list[str]:
+        return dataclasses.replace(ok, **changes).problems(case, cc.ARCHS[case.arch])
+
+    assert problems(bf16_80) == []
+    assert problems(fp32_80, stack=96) == []
+    assert problems(fp32_90, stack=8)
+    assert problems(bf16_80, local=4)
+    assert problems(bf16_80, shared=cc.ARCHS["sm_80"].max_shared + 1)
+    assert problems(fp32_90, shared=cc.ARCHS["sm_80"].max_shared + 1) == []  # fits sm_90
+    assert problems(bf16_80, tensor_cores=False)
+    assert problems(fp32_90, tensor_cores=False) == []
+    assert problems(bf16_80, error="CompilationError: ...")
+
+
+def test_parse_res_usage() -> None:
+    text = (" Function prefill_kernel:\n  REG:255 STACK:560 SHARED:1024 LOCAL:0 "
+            "CONSTANT[0]:640 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    assert cc.parse_res_usage(text) == {"REG": 255, "STACK": 560, "SHARED": 1024, "LOCAL": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL_ENABLED,
+                    reason="full compile grid: `make compile-check` (DEEPINFER_COMPILE_FULL=1)")
+def test_full_grid() -> None:
+    """Every configuration of the grid, plus a canary known to spill (the check must see it)."""
+    canary = cc.spill_canary()
+    cases = cc.full_cases() + [canary]
+    results = cc.results_from_subprocess(cases, jobs=_jobs(os.cpu_count() or 1),
+                                         timeout=3600)
+    verdicts = cc.verdicts(cases, results)
+    canary_problems = verdicts.pop(canary.id)
+    failing = {k: v for k, v in verdicts.items() if v}
+    out = os.environ.get("DEEPINFER_COMPILE_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "compile-check.md").write_text(cc.markdown_table(cases, results) + "\n")
+        Path(out, "compile-check.json").write_text(json.dumps({
+            "results": [dataclasses.asdict(r) for r in results], "failing": failing,
+        }, indent=1))
+    assert any("spills" in p for p in canary_problems), "the spill canary did not spill"
+    assert not failing, "\n".join(f"{k}: {p}" for k, v in failing.items() for p in v)
