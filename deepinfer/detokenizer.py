@@ -109,3 +109,31 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+def decode_once(tokenizer: Any, prompt_token_ids: Sequence[int], token_ids: Sequence[int],
+                skip_special_tokens: bool = True) -> str:
+    """The text ``IncrementalDetokenizer`` builds from ``token_ids``, usually in two decode
+    calls: the output decoded after the same prompt context, minus the context's own text.
+
+    The incremental path emits text only when its window does not end in an incomplete
+    character, so tokens after its last emission are never in its text (a token can hold
+    a whole character and the first byte of the next). The same tail is dropped here:
+    while the decoded text ends in U+FFFD, the last token goes (one more decode each;
+    only outputs cut inside a character pay it)."""
+    context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+
+    def decode(ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+
+    ids = [int(t) for t in token_ids]
+    prefix = decode(context)
+    while ids:
+        full = decode(context + ids)
+        if not full.endswith(_REPLACEMENT):
+            return full[len(prefix):]
+        ids.pop()
+    return ""

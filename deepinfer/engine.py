@@ -123,6 +123,8 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        # Samples whose tokens need host work each step (stop strings, logprobs).
+        self._watched: dict[int, tuple[RequestState, SampleState]] = {}
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -164,7 +166,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free what it holds; False if unknown or already finished."""
-        self.requests.pop(request_id, None)
+        self._forget(self.requests.pop(request_id, None))
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -181,7 +183,6 @@ class LLMEngine:
             prompt_token_ids=list(seq.prompt_token_ids),
             output_token_ids=list(seq.output_token_ids), params=req.params,
             stop_token_ids=sorted(req.stop_token_ids),
-            generator_state=None if st.generator is None else st.generator.get_state(),
             logprobs=st.logprobs, num_blocks=len(seq.blocks),
         )
 
@@ -189,11 +190,11 @@ class LLMEngine:
         """Forget a sequence whose transfer completed: its blocks and slot are freed and
         its request leaves this engine."""
         self.scheduler.release_handoff(seq.seq_id)
-        self.requests.pop(seq.request_id, None)
+        self._forget(self.requests.pop(seq.request_id, None))
 
     def import_sequence(self, exp: SequenceExport) -> Sequence | None:
         """Admit a sequence exported by another engine: scheduler blocks and slot, and the
-        host state (detokenizer fed the tokens so far, generator state, logprobs). The
+        host state (detokenizer fed the tokens so far, logprobs, its sampling row). The
         caller fills its blocks and slot (``runner.import_kv``) before the next step.
         Returns None, changing nothing, when there is no room (credits)."""
         params = exp.params
@@ -205,16 +206,14 @@ class LLMEngine:
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
                            frozenset(exp.stop_token_ids))
         self.requests[exp.request_id] = req
-        st = self._sample_state(req, 0)
-        if st.generator is not None and exp.generator_state is not None:
-            st.generator.set_state(exp.generator_state)
+        st = self._start_sample(req, seq)
         if st.logprobs is not None and exp.logprobs:
             st.logprobs.extend(exp.logprobs)
-        for t in exp.output_token_ids:
+        if st.detok is not None:
             # As step() did on the exporting engine: the sequence is not finished, so
             # every token went through the detokenizer.
-            st.token_ids.append(t)
-            st.detok.add(t)
+            for t in exp.output_token_ids:
+                st.detok.add(t)
         self.stats.num_requests += 1
         return seq
 
@@ -230,26 +229,38 @@ class LLMEngine:
             if on_step is not None:
                 on_step()
 
-    def _sample_state(self, req: RequestState, sample_index: int) -> SampleState:
-        return req.sample_state(sample_index, self.tokenizer, self.device)
+    def _start_sample(self, req: RequestState, seq: Sequence) -> SampleState:
+        """A sample gets its state slot (new, forked, recomputed or imported): its host
+        state, and its sampling row in the runner's table."""
+        st, created = req.start_sample(seq, self.tokenizer)
+        if created and st.watched:
+            self._watched[seq.seq_id] = (req, st)
+        self.runner.sampling_table.write(seq.slot, req.params, seq.sample_index,
+                                         len(req.prompt_token_ids),
+                                         tuple(req.stop_token_ids))
+        return st
 
-    def _step_sampling(self, out) -> StepSampling:
-        sampling = StepSampling([], [], [])
-        params, gens, banned = sampling.params, sampling.generators, sampling.banned_token_ids
+    def _forget(self, req: RequestState | None) -> None:
+        """Drop the per-token watch of a request's samples (finished, aborted, sent)."""
+        if req is not None and self._watched:
+            for st in req.samples.values():
+                self._watched.pop(st.seq.seq_id, None)
+
+    def _step_sampling(self, out) -> StepSampling | None:
+        """Start the samples that got a slot this step; the penalty state of new ones."""
+        sampling = None
         if out.zero_states.numel():
-            self._record_new_sequences(out, sampling)
-        for seq in out.sample_seqs:
-            req = self.requests[seq.request_id]
-            st = self._sample_state(req, seq.sample_index)
-            params.append(req.params)
-            gens.append(st.generator)
-            early = len(seq.output_token_ids) < req.params.min_tokens
-            banned.append(tuple(req.stop_token_ids) if early else ())
+            sampling = self._record_new_sequences(out)
+        if out.clone_states.numel():
+            children = set(out.clone_states[:, 1].tolist())
+            for seq in out.sample_seqs:
+                if seq.slot in children:
+                    self._start_sample(self.requests[seq.request_id], seq)
         return sampling
 
-    @staticmethod
-    def _record_new_sequences(out, sampling: StepSampling) -> None:
-        """Penalty state of sequences whose slot is zeroed this step (new or recomputed)."""
+    def _record_new_sequences(self, out) -> StepSampling:
+        """Sequences whose slot is zeroed this step (new or recomputed): their sampling
+        row, and their tokens for the penalty state."""
         fresh = set(out.zero_states.tolist())
         p_tok: list[int] = []
         p_slot: list[int] = []
@@ -259,14 +270,16 @@ class LLMEngine:
             if slot not in fresh:
                 continue
             fresh.discard(slot)  # a chunked prompt is recorded at its first chunk only
+            self._start_sample(self.requests[seq.request_id], seq)
             p_tok += seq.prompt_token_ids
             p_slot += [slot] * len(seq.prompt_token_ids)
             o_tok += seq.output_token_ids
             o_slot += [slot] * len(seq.output_token_ids)
-        sampling.prompt_tokens = torch.tensor(p_tok, dtype=torch.int64)
-        sampling.prompt_slots = torch.tensor(p_slot, dtype=torch.int64)
-        sampling.output_tokens = torch.tensor(o_tok, dtype=torch.int64)
-        sampling.output_slots = torch.tensor(o_slot, dtype=torch.int64)
+        return StepSampling(
+            prompt_tokens=torch.tensor(p_tok, dtype=torch.int64),
+            prompt_slots=torch.tensor(p_slot, dtype=torch.int64),
+            output_tokens=torch.tensor(o_tok, dtype=torch.int64),
+            output_slots=torch.tensor(o_slot, dtype=torch.int64))
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that finished in it."""
@@ -274,50 +287,62 @@ class LLMEngine:
         out = self.scheduler.schedule()
         sampling = self._step_sampling(out)
         token_ids, logprobs = self.runner.execute(out, sampling)
-        sample_seqs = list(out.sample_seqs)
+        sample_seqs = out.sample_seqs
         finished_seqs = self.scheduler.update(out, token_ids)
         dt = time.perf_counter() - t0
-        self.stats.steps += 1
+        stats = self.stats
+        stats.steps += 1
         if out.is_prompt:
-            self.stats.prompt_tokens += out.num_batched_tokens
-            self.stats.prompt_time += dt
+            stats.prompt_tokens += out.num_batched_tokens
+            stats.prompt_time += dt
         else:
-            self.stats.decode_time += dt
-        self.stats.generated_tokens += len(token_ids)
+            stats.decode_time += dt
+        stats.generated_tokens += len(token_ids)
+        if self._watched:
+            self._per_token_host_work(sample_seqs, token_ids, logprobs, finished_seqs)
 
         done: list[RequestOutput] = []
-        for i, (seq, tok) in enumerate(zip(sample_seqs, token_ids)):
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            st = req.samples[seq.sample_index]
-            st.token_ids.append(tok)
-            if st.logprobs is not None and logprobs is not None:
-                st.logprobs.append(logprobs[i])
-            if tok in req.stop_token_ids and seq.finish_reason == "stop":
-                continue  # the stop token itself is not part of the text
-            st.detok.add(tok)
-            if st.detok.stopped and seq.finish_reason is None:
-                self.scheduler.finish_sequence(seq.seq_id, "stop")
-                finished_seqs.append(seq)
         for seq in finished_seqs:
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue
-            st = self._sample_state(req, seq.sample_index)
+            st = req.samples[seq.sample_index]
             if st.finish_reason is None:
                 st.finish_reason = seq.finish_reason or "stop"
                 req.num_finished += 1
             if req.num_finished == req.params.n:
                 done.append(self._request_output(req))
                 del self.requests[req.request_id]
+                self._forget(req)
         return done
 
-    @staticmethod
-    def _request_output(req: RequestState) -> RequestOutput:
+    def _per_token_host_work(self, sample_seqs: list[Sequence], token_ids: list[int],
+                             logprobs: list | None, finished_seqs: list[Sequence]) -> None:
+        """Logprobs and stop strings: only the samples that asked for them. A stop
+        string that matches ends its sequence here (appended to ``finished_seqs``)."""
+        watched = self._watched
+        for i, seq in enumerate(sample_seqs):
+            entry = watched.get(seq.seq_id)
+            if entry is None:
+                continue
+            req, st = entry
+            tok = token_ids[i]
+            if st.logprobs is not None and logprobs is not None:
+                st.logprobs.append(logprobs[i])
+            if st.detok is None:
+                continue
+            if tok in req.stop_token_ids and seq.finish_reason == "stop":
+                continue  # the stop token itself is not part of the text
+            st.detok.add(tok)
+            if st.detok.stopped and seq.finish_reason is None:
+                self.scheduler.finish_sequence(seq.seq_id, "stop")
+                finished_seqs.append(seq)
+
+    def _request_output(self, req: RequestState) -> RequestOutput:
         outs = [
             CompletionOutput(
-                index=i, text=st.detok.text, token_ids=list(st.token_ids),
+                index=i, text=req.text_of(st, self.tokenizer),
+                token_ids=list(st.seq.output_token_ids),
                 finish_reason=st.finish_reason, logprobs=st.logprobs,
             )
             for i, st in sorted(req.samples.items())

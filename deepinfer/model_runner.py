@@ -12,29 +12,27 @@ decode attention), computes logits for ``logits_indices`` only, and samples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.models.attention import AttentionMetadata
-from deepinfer.sampler import Sampler
+from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_table import NO_SEED, SamplingTable
 
 
 @dataclass
 class StepSampling:
-    """Per-sample sampling inputs for one step (sample order = ``out.sample_seqs``)."""
+    """Penalty state of the sequences admitted this step (their slot was just zeroed):
+    the whole prompt (prefix-cache hits included) and, after a preemption, the outputs
+    generated before it. Host int64 tensors of equal length per pair; None when no
+    sequence was admitted. (Sampling parameters live in ``ModelRunner.sampling_table``.)"""
 
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
-    banned_token_ids: list[Sequence[int]]
-    # Penalty state of sequences admitted this step (their slot was just zeroed): the
-    # whole prompt (prefix-cache hits included) and, after a preemption, the outputs
-    # generated before it. Host int64 tensors of equal length per pair.
     prompt_tokens: torch.Tensor | None = None
     prompt_slots: torch.Tensor | None = None
     output_tokens: torch.Tensor | None = None
@@ -93,14 +91,19 @@ class ModelRunner:
         self.dtype = dtype
         self.backend = backend
         self.block_size = spec.block_size
+        # Per-slot state first: KV sizing must see it as memory already taken.
+        self.sampler = Sampler()
+        self.states = Sampler.make_state(spec.max_num_seqs, cfg.vocab_size, device)
+        self.sampling_table = SamplingTable(spec.max_num_seqs, cfg.vocab_size)
+        self._cached_sampling: tuple[np.ndarray, int, SamplingTensors] | None = None
         if num_blocks is None:
             num_blocks = self.plan_num_blocks(spec)
         self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(
+        # Not zeroed: every kernel reads only slots written this run (unwritten ones are
+        # masked out, tested with NaN-poisoned caches), and zeroing a GiB costs ~0.5 s.
+        self.kv_cache = torch.empty(
             kv_cache_shape(cfg, num_blocks, spec.block_size), dtype=dtype, device=device
         )
-        self.sampler = Sampler()
-        self.states = Sampler.make_state(spec.max_num_seqs, cfg.vocab_size, device)
         self.graphs: DecodeGraphRunner | None = None
         if device.type == "cuda" and capture_graphs:
             self.graphs = DecodeGraphRunner(
@@ -129,12 +132,17 @@ class ModelRunner:
         return int(num_blocks)
 
     def _profile_cuda_budget(self, spec: KVCacheSpec) -> int:
-        """Bytes left for the KV cache after a forward at the largest prompt batch."""
+        """Bytes left for the KV cache: ``gpu_memory_utilization`` of the device minus
+        what is already allocated (weights, per-slot state), the peak of a forward at the
+        largest prompt batch followed by a sampling pass over ``max_num_seqs`` rows with
+        every sampling feature on (sort, softmax, cumsum, penalties, logprobs), and an
+        allowance for the decode CUDA graphs' memory pool."""
         dev = self.device
         tokens, bs = spec.max_num_batched_tokens, spec.block_size
         n_blocks = -(-tokens // bs)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
         cache = torch.zeros(kv_cache_shape(self.cfg, n_blocks, bs), dtype=self.dtype,
                             device=dev)
         meta = AttentionMetadata(
@@ -146,17 +154,29 @@ class ModelRunner:
             max_query_len=tokens, max_seq_len=tokens,
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        rows = spec.max_num_seqs
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(tokens, device=dev), cache, meta,
                                 self.backend)
-            self.model.compute_logits(hidden[-min(tokens, 256):])
+            picked = torch.arange(rows, device=dev) % tokens
+            logits = self.model.compute_logits(hidden[picked])
+            del hidden
+            every = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05,
+                                   repetition_penalty=1.1, presence_penalty=0.1, logprobs=5)
+            st = SamplingTensors.from_params([every] * rows, self.cfg.vocab_size, dev)
+            self.sampler.sample(logits, st, torch.arange(rows, device=dev), self.states)
+            del logits
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - cache.numel() * cache.element_size()
-        del cache, hidden
+        cache_bytes = cache.numel() * cache.element_size()
+        peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
+        del cache
         torch.cuda.empty_cache()
+        # Decode graphs run at most max_num_seqs tokens: their pool holds about that
+        # share of the prompt forward's activations, plus cuBLAS workspaces.
+        graph_pool = peak * min(1.0, rows / tokens) + (64 << 20)
         free, total = torch.cuda.mem_get_info(dev)
-        used_elsewhere = total - free - torch.cuda.memory_allocated(dev)
-        return int(total * spec.gpu_memory_utilization - peak - used_elsewhere)
+        used = total - free  # weights, per-slot state, other processes, the CUDA context
+        return int(total * spec.gpu_memory_utilization - used - peak - graph_pool)
 
     # ------------------------------------------------------------------ KV hand-off
     def transfer_bytes(self, num_blocks: int, num_seqs: int) -> int:
@@ -208,7 +228,8 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta, self.backend)
 
     @torch.inference_mode()
-    def execute(self, out, sampling: StepSampling) -> tuple[list[int], list | None]:
+    def execute(self, out, sampling: StepSampling | None = None
+                ) -> tuple[list[int], list | None]:
         """Run one step; returns the sampled token ids (one per sample) and logprobs.
 
         ``out`` is the scheduler's ``SchedulerOutputs`` of this step (borrowed: consumed
@@ -220,6 +241,7 @@ class ModelRunner:
         if out.zero_states.numel():
             self.backend.zero_states(self.states, self._to_device(out.zero_states))
         # Recorded before clone_states so that forked children inherit the parent's state.
+        sampling = sampling or StepSampling()
         if sampling.prompt_tokens is not None and sampling.prompt_tokens.numel():
             Sampler.record_prompt_tokens(self.states, self._to_device(sampling.prompt_tokens),
                                          self._to_device(sampling.prompt_slots))
@@ -236,12 +258,28 @@ class ModelRunner:
             return [], None
         logits = self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
         slots = self._to_device(b.sample_state_slots)
-        token_ids, logprobs = self.sampler.sample(
-            logits, slots, self.states, sampling.params, sampling.generators,
-            sampling.banned_token_ids,
-        )
+        token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,
+                                                  self.states)
         Sampler.record_output_tokens(self.states, token_ids, slots)
         return token_ids.tolist(), logprobs
+
+    def _sampling_tensors(self, b) -> SamplingTensors:
+        """The sampling parameters of this step's samples. A decode step over the same
+        sequences as the step before, none seeded or under ``min_tokens``, reuses the
+        previous step's tensors: nothing about them changed."""
+        slots = b.sample_state_slots.numpy()
+        table = self.sampling_table
+        cached = self._cached_sampling
+        if (cached is not None and cached[1] == table.version
+                and np.array_equal(cached[0], slots)):
+            return cached[2]
+        positions = b.positions.numpy()[b.logits_indices.numpy()]
+        rows, steps, banned = table.gather(slots, positions)
+        st = SamplingTensors.from_rows(rows, steps, self.cfg.vocab_size, self.device, banned)
+        # Seeded rows draw a new uniform and min_tokens bans end: both change each step.
+        per_step = banned is not None or bool((rows.seed_key != NO_SEED).any())
+        self._cached_sampling = None if per_step else (slots.copy(), table.version, st)
+        return st
 
     def _run_model(self, out) -> torch.Tensor:
         b = out.batch

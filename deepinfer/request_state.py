@@ -1,5 +1,6 @@
-"""Host-side state of the requests an engine is running: per sample, the tokens so far,
-the incremental detokenizer (text, stop strings), the seeded generator and the logprobs.
+"""Host-side state of the requests an engine is running: per sample, its sequence, the
+incremental detokenizer when stop strings need the text while generating, and the
+logprobs.
 
 ``SequenceExport`` is what moves with a sequence when a PROMPT engine hands it to a
 COMPLETION engine: everything needed to rebuild this host state on the other side."""
@@ -9,21 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from deepinfer.detokenizer import IncrementalDetokenizer
+from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
 from deepinfer.sampling_params import SamplingParams
+from scheduler import Sequence
 
 
 @dataclass
 class SampleState:
-    """Host-side state of one output sequence (one of a request's ``n`` samples)."""
+    """Host-side state of one output sequence (one of a request's ``n`` samples).
 
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
+    ``seq``: its scheduler ``Sequence`` (the token ids live there). ``detok``: an
+    incremental detokenizer when the text is needed while generating (stop strings);
+    None when the text is decoded once, at the end. ``logprobs``: one dict per token when
+    requested."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None
-    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def watched(self) -> bool:
+        """Whether each of its tokens needs host work during the step."""
+        return self.detok is not None or self.logprobs is not None
 
 
 @dataclass
@@ -39,27 +48,34 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)
     num_finished: int = 0
 
-    def sample_state(self, sample_index: int, tokenizer: Any,
-                     device: torch.device) -> SampleState:
-        """The state of sample ``sample_index``, created on first use."""
-        st = self.samples.get(sample_index)
-        if st is None:
-            p = self.params
-            gen = None
-            if p.seed is not None:
-                gen = torch.Generator(device=device)
-                # Distinct, reproducible streams for the n samples of one seed.
-                gen.manual_seed((p.seed * 1_000_003 + sample_index) % (1 << 63))
-            st = SampleState(
-                detok=IncrementalDetokenizer(
-                    tokenizer, self.prompt_token_ids,
-                    skip_special_tokens=p.skip_special_tokens, stop=p.stop_list(),
-                ),
-                generator=gen,
-                logprobs=[] if p.logprobs is not None else None,
-            )
-            self.samples[sample_index] = st
-        return st
+    def start_sample(self, seq: Sequence, tokenizer: Any) -> tuple[SampleState, bool]:
+        """The state of ``seq``'s sample, created when the sample starts (a preempted
+        sample keeps its state). Returns it and whether it was created now."""
+        st = self.samples.get(seq.sample_index)
+        if st is not None:
+            st.seq = seq
+            return st, False
+        p = self.params
+        stop = p.stop_list()
+        detok = None
+        if stop:
+            detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
+                                           skip_special_tokens=p.skip_special_tokens,
+                                           stop=stop)
+        st = SampleState(seq, detok, [] if p.logprobs is not None else None)
+        self.samples[seq.sample_index] = st
+        return st, True
+
+    def text_of(self, st: SampleState, tokenizer: Any) -> str:
+        """The final text of a sample: the incremental one, or its tokens decoded once
+        (the stop token that ended it left out, as the incremental path does)."""
+        if st.detok is not None:
+            return st.detok.text
+        ids = st.seq.output_token_ids
+        if st.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        return decode_once(tokenizer, self.prompt_token_ids, ids,
+                           skip_special_tokens=self.params.skip_special_tokens)
 
 
 @dataclass
@@ -73,6 +89,5 @@ class SequenceExport:
     output_token_ids: list[int]
     params: SamplingParams
     stop_token_ids: list[int]
-    generator_state: torch.Tensor | None
     logprobs: list[dict[int, float]] | None
     num_blocks: int

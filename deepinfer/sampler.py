@@ -5,15 +5,15 @@ One ``Sampler.sample`` call turns the logits of every sample of a step into toke
 1. logprobs (optional) of the raw logits, like vLLM's default;
 2. repetition penalty (HF), presence/frequency penalty (OpenAI) from per-slot state;
 3. banned ids (EOS / stop ids of samples still under ``min_tokens``) -> -inf;
-4. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then an
-   exponential race ``argmax(p / Exp(1))``, which is an exact draw from ``p``.
+4. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then one
+   uniform per row inverted through the row's cumulative distribution, an exact draw
+   from ``p``. Seeded rows take their uniform from ``sampling_table.seeded_uniforms``
+   (host, counter-based), the others from one batched ``torch.rand``.
 
-Everything is batched; the only per-row Python loop draws the noise of seeded rows from
-their own generator, so a seeded sample does not depend on the rest of the batch.
-
-Penalty state lives in state-slot tensors owned by the engine (``make_state``); the
-engine zeroes a new sequence's slot (``zero_states``) and copies a parent's slot into a
-forked child (``clone_states``).
+Everything is batched: no per-row launches, no host sync. Penalty state lives in
+state-slot tensors owned by the engine (``make_state``); the engine zeroes a new
+sequence's slot (``zero_states``) and copies a parent's slot into a forked child
+(``clone_states``).
 """
 
 from __future__ import annotations
@@ -21,22 +21,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from deepinfer.sampling_params import GREEDY_EPS, SamplingParams
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_table import NO_SEED, SamplingRows, seeded_uniforms
 
 # Indices into the float rows of SamplingTensors.floats.
-_TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(6)
+_TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _UNIFORM = range(7)
 
 
 @dataclass
 class SamplingTensors:
     """Per-step sampling parameters as device tensors plus host-side fast-path flags.
 
-    ``floats`` ``[6, N]`` float32 (temperature, top_p, min_p, repetition, presence,
-    frequency penalty), ``top_k`` ``[N]`` int64 (``vocab`` where off), ``greedy`` ``[N]``
-    bool. ``banned_rows``/``banned_cols`` ``[B]`` int64 index the logits to set to -inf.
-    The flags come from the Python params, never from the device (no host sync).
+    ``floats`` ``[7, N]`` float32 (temperature, top_p, min_p, repetition, presence,
+    frequency penalty, seeded uniform or NaN), ``top_k`` ``[N]`` int64 (``vocab`` where
+    off), ``greedy`` ``[N]`` bool. ``banned_rows``/``banned_cols`` ``[B]`` int64 index the
+    logits to set to -inf. ``logprobs`` (host, int64 ``[N]``, -1 = off). The flags come from
+    the host rows, never from the device (no host sync).
     """
 
     floats: torch.Tensor
@@ -44,8 +47,11 @@ class SamplingTensors:
     greedy: torch.Tensor
     banned_rows: torch.Tensor | None
     banned_cols: torch.Tensor | None
+    logprobs: np.ndarray
     all_greedy: bool
     any_greedy: bool
+    any_seeded: bool
+    all_seeded: bool
     do_repetition: bool
     do_presence_frequency: bool
     do_top_k: bool
@@ -73,55 +79,69 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         banned_token_ids: Sequence[Sequence[int]] | None = None,
+        steps: Sequence[int] | None = None,
+        sample_indices: list[int] | None = None,
     ) -> SamplingTensors:
-        """Pack ``params`` (one per sample) into tensors with one host-to-device copy each."""
-        n = len(params)
-        greedy = [p.temperature < GREEDY_EPS for p in params]
-        # Greedy rows never use their temperature; 1.0 keeps the division harmless.
-        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        floats = torch.tensor(
-            [temps,
-             [float(p.top_p) for p in params],
-             [float(p.min_p) for p in params],
-             [float(p.repetition_penalty) for p in params],
-             [float(p.presence_penalty) for p in params],
-             [float(p.frequency_penalty) for p in params]],
-            dtype=torch.float32,
-        ).reshape(6, n)
-        rows: list[int] = []
-        cols: list[int] = []
+        """Tensors of ``params`` (one per sample). ``steps``: each sample's output index
+        (its seeded stream's counter; default 0); ``sample_indices``: which of its
+        request's ``n`` samples each row is (default 0)."""
+        rows = SamplingRows.from_params(list(params), vocab_size, sample_indices)
+        st = np.zeros(len(params), np.int64) if steps is None else np.asarray(steps, np.int64)
+        return cls.from_rows(rows, st, vocab_size, device, banned_token_ids)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: SamplingRows,
+        steps: np.ndarray,
+        vocab_size: int,
+        device: torch.device | str,
+        banned_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingTensors:
+        """Tensors of ``rows`` (``steps``: int64 ``[N]`` output index of each row), with
+        one host-to-device copy per tensor."""
+        n = rows.top_k.shape[0]
+        seeded = rows.seed_key != NO_SEED
+        uniforms = np.full(n, np.nan, np.float32)
+        if seeded.any():
+            uniforms[seeded] = seeded_uniforms(rows.seed_key[seeded], steps[seeded])
+        floats = np.concatenate([rows.floats, uniforms[None]], axis=0)
+        b_rows: list[int] = []
+        b_cols: list[int] = []
         for i, ids in enumerate(banned_token_ids or ()):
             for t in ids:
                 if 0 <= t < vocab_size:
-                    rows.append(i)
-                    cols.append(int(t))
+                    b_rows.append(i)
+                    b_cols.append(int(t))
         device = torch.device(device)
         pin = device.type == "cuda"
 
         def put(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-        sampled = [p for p, g in zip(params, greedy) if not g]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        greedy = rows.greedy
+        sampled = ~greedy
+        k_sampled = rows.top_k[sampled]
+        f = rows.floats
         return cls(
-            floats=put(floats),
-            top_k=put(torch.tensor(top_k, dtype=torch.int64)),
-            greedy=put(torch.tensor(greedy, dtype=torch.bool)),
-            banned_rows=put(torch.tensor(rows, dtype=torch.int64)) if rows else None,
-            banned_cols=put(torch.tensor(cols, dtype=torch.int64)) if rows else None,
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            do_repetition=any(p.repetition_penalty != 1.0 for p in params),
-            do_presence_frequency=any(
-                p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
-            ),
+            floats=put(torch.from_numpy(floats)),
+            top_k=put(torch.from_numpy(rows.top_k)),
+            greedy=put(torch.from_numpy(greedy)),
+            banned_rows=put(torch.tensor(b_rows, dtype=torch.int64)) if b_rows else None,
+            banned_cols=put(torch.tensor(b_cols, dtype=torch.int64)) if b_rows else None,
+            logprobs=rows.logprobs,
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_seeded=bool(seeded[sampled].any()),
+            all_seeded=bool(seeded[sampled].all()),
+            do_repetition=bool((f[_REP] != 1.0).any()),
+            do_presence_frequency=bool((f[_PRES] != 0.0).any() or (f[_FREQ] != 0.0).any()),
             # Filters only matter for rows that sample.
-            do_top_k=any(0 < p.top_k < vocab_size for p in sampled),
-            do_top_p=any(p.top_p < 1.0 for p in sampled),
-            do_min_p=any(p.min_p > 0.0 for p in sampled),
-            max_top_k=max((k for k, g in zip(top_k, greedy) if not g), default=vocab_size),
-            max_logprobs=max(logprobs, default=-1),
+            do_top_k=bool((k_sampled < vocab_size).any()),
+            do_top_p=bool((f[_TOP_P][sampled] < 1.0).any()),
+            do_min_p=bool((f[_MIN_P][sampled] > 0.0).any()),
+            max_top_k=int(k_sampled.max()) if k_sampled.size else vocab_size,
+            max_logprobs=int(rows.logprobs.max()) if n else -1,
         )
 
 
@@ -168,55 +188,43 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,
-        sample_slots: torch.Tensor,
+        st: SamplingTensors,
+        sample_slots: torch.Tensor | None = None,
         states: Sequence[torch.Tensor] | None = None,
-        params: Sequence[SamplingParams] | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        banned_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
         """Sample one token per row.
 
         - ``logits`` ``[N, V]`` (float32, or anything castable): not modified.
+        - ``st``: the rows' parameters (``SamplingTensors.from_rows`` / ``from_params``).
         - ``sample_slots`` ``[N]`` int64: each row's state slot (for penalties).
         - ``states``: ``make_state``'s tensors; read only when a row uses penalties.
-        - ``params`` / ``generators``: one per row; a row with a generator draws its
-          noise from it (seeded, batch-independent), others share one batched draw.
-          ``generators=None``: no row is seeded.
-        - ``banned_token_ids``: per row, token ids that must not be sampled (stop ids of
-          a sample below ``min_tokens``).
 
         Returns ``token_ids`` ``[N]`` int64 on the logits' device, and per row either
         ``{token_id: logprob}`` (top-``logprobs`` plus the sampled token, raw logits) or
         None, or None for the whole list when no row asked for logprobs.
         """
-        n, vocab = logits.shape
-        params = [] if params is None else params
-        generators = [None] * n if generators is None else generators
-        if len(params) != n or len(generators) != n:
-            raise ValueError(
-                f"sample: {n} logit rows but {len(params)} params / "
-                f"{len(generators)} generators"
-            )
+        n = logits.shape[0]
+        if st.top_k.shape[0] != n:
+            raise ValueError(f"sample: {n} logit rows but {st.top_k.shape[0]} parameter rows")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device), None
-        st = SamplingTensors.from_params(params, vocab, logits.device, banned_token_ids)
         # Own copy in float32: the filters below work in place.
         logits = logits.to(torch.float32, copy=True)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_logprobs >= 0 else None
 
         if st.do_repetition or st.do_presence_frequency:
-            if states is None:
+            if states is None or sample_slots is None:
                 raise ValueError("sample: penalties requested but no sampler state given")
             self._apply_penalties(logits, sample_slots, states, st)
         if st.banned_rows is not None:
-            logits.index_put_((st.banned_rows, st.banned_cols),
-                              torch.tensor(float("-inf"), device=logits.device))
+            # A Python scalar: no host-to-device copy of a value tensor.
+            logits[st.banned_rows, st.banned_cols] = float("-inf")
 
         if st.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, st, generators)
+            token_ids = self._sample_random(logits, st)
             if st.any_greedy:
                 # The filters keep each row's top token, so the argmax of the filtered
                 # logits equals the argmax of the penalized ones.
@@ -224,7 +232,8 @@ class Sampler:
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, token_ids, params, st.max_logprobs)
+            logprobs = self._gather_logprobs(raw_logprobs, token_ids, st.logprobs,
+                                             st.max_logprobs)
         return token_ids, logprobs
 
     # ------------------------------------------------------------------ steps
@@ -244,9 +253,9 @@ class Sampler:
             logits -= st.floats[_FREQ].unsqueeze(1) * counts
             logits -= st.floats[_PRES].unsqueeze(1) * seen_out
 
-    def _sample_random(self, logits: torch.Tensor, st: SamplingTensors,
-                       generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Temperature, filters, exponential race; greedy rows get garbage (replaced)."""
+    def _sample_random(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Temperature, filters, then inverse-CDF sampling with one uniform per row;
+        greedy rows get garbage (replaced by the caller)."""
         logits.div_(st.temperatures.unsqueeze(1))
         if st.do_top_p:
             _top_k_top_p_sorted(logits, st.top_k if st.do_top_k else None, st.top_p)
@@ -257,22 +266,22 @@ class Sampler:
             top = probs.amax(dim=-1, keepdim=True)
             probs.masked_fill_(probs < st.min_p.unsqueeze(1) * top, 0.0)
 
-        noise = torch.empty_like(probs)
-        seeded = [i for i, g in enumerate(generators) if g is not None]
-        if len(seeded) < len(generators):
-            noise.exponential_()
-        for i in seeded:
-            # A fresh [V] draw per step from the row's own generator: the stream (and so
-            # the token) depends only on the seed and the step, not on the batch.
-            noise[i] = torch.empty_like(probs[i]).exponential_(generator=generators[i])
-        # Exp(1) can underflow to 0: 0/0 would be NaN and argmax picks NaN.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        uniform = st.floats[_UNIFORM]
+        if not st.all_seeded:
+            fresh = torch.rand(uniform.shape, device=uniform.device)
+            uniform = torch.where(uniform.isnan(), fresh, uniform) if st.any_seeded else fresh
+        cdf = probs.cumsum(dim=-1)
+        target = (uniform * cdf[:, -1]).unsqueeze(1)
+        token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        token_ids.clamp_(max=probs.shape[-1] - 1)
+        # Rounding in the scan can only ever land on a zero-probability token at the very
+        # edge of the support; such a row takes its most likely token instead.
+        ok = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) > 0
+        return torch.where(ok, token_ids, probs.argmax(dim=-1))
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                         params: Sequence[SamplingParams],
-                         k: int) -> list[dict[int, float] | None]:
+                         wanted: np.ndarray, k: int) -> list[dict[int, float] | None]:
         """Top-``k`` (max over rows) plus the sampled token's logprob; one host copy."""
         sampled = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k = min(k, raw.shape[-1])
@@ -281,12 +290,12 @@ class Sampler:
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         sampled_l, ids_l = sampled.tolist(), token_ids.tolist()
         out: list[dict[int, float] | None] = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
+        for i, want in enumerate(wanted.tolist()):
+            if want < 0:
                 out.append(None)
                 continue
             d = {ids_l[i]: sampled_l[i]}
-            for j in range(min(p.logprobs, k)):
+            for j in range(min(want, k)):
                 d.setdefault(top_ids[i][j], top_vals[i][j])
             out.append(d)
         return out

@@ -31,11 +31,66 @@ def load_tokenizer(path: str) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _load_gguf_tokenizer(path: str) -> Any:
+    from deepinfer.loading.gguf_reader import open_gguf
+
+    tok = byte_level_tokenizer_from_gguf(open_gguf(path).metadata)
+    if tok is not None:
+        return tok
+    # Other vocabularies (sentencepiece, custom split rules): transformers' converter.
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(path),
                                          gguf_file=os.path.basename(path),
                                          local_files_only=True)
+
+
+def byte_level_tokenizer_from_gguf(meta: dict[str, Any]) -> Any | None:
+    """A GPT-2 style byte-level BPE tokenizer built from GGUF metadata already read (no
+    second parse of the file); None when the file describes another kind (sentencepiece,
+    a pre-tokenizer with its own split rule, a BOS added to every prompt), which
+    transformers' converter then builds.
+
+    The result is what transformers builds for such a file: BPE over the file's tokens
+    and merges, GPT-2's byte-level pre-tokenizer and decoder, the control tokens as
+    special tokens, and the chat template and BOS/EOS/UNK/PAD tokens it names."""
+    if (meta.get("tokenizer.ggml.model") != "gpt2"
+            or meta.get("tokenizer.ggml.pre", "default") not in _GPT2_DEFAULT_SPLIT
+            or meta.get("tokenizer.ggml.add_bos_token", False)
+            or "tokenizer.ggml.merges" not in meta):
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    if len(vocab) != len(tokens) or any(len(m) != 2 for m in merges):
+        return None  # spelled outside the byte alphabet: leave it to transformers
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                              continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False, byte_fallback=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+    types = meta.get("tokenizer.ggml.token_type") or []
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    tk.add_special_tokens(control)
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=token("bos_token_id"), eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"), pad_token=token("padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"))
+
+
+# llama.cpp token type of control tokens (<|im_start|>, ...): special, matched whole.
+_CONTROL = 3
+# Pre-tokenizer names for which a byte-level vocabulary uses GPT-2's own split rule.
+_GPT2_DEFAULT_SPLIT = frozenset({"default", "gpt2", "smollm"})
 
 
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:

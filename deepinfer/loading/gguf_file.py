@@ -3,8 +3,8 @@
 Two layout facts matter:
 
 * GGUF records shapes in ggml ``ne`` order (fastest dim first), the reverse of torch;
-  ``GGUFReader`` already gives numpy arrays in row-major order, and dequantization returns
-  ``[rows, cols]`` = torch's ``[out, in]``.
+  the reader (``gguf_reader``) gives numpy arrays in row-major order, and dequantization
+  returns ``[rows, cols]`` = torch's ``[out, in]``.
 * llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama*-architecture
   models (each head's two rotary halves interleaved, for its GPT-J-style RoPE). The model
   uses HF's rotate-half layout, so that permutation is undone here. Qwen2/Qwen3 files are
@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 
 from deepinfer.config import ModelConfig
+from deepinfer.loading.gguf_dequant import dequantize
+from deepinfer.loading.gguf_reader import GGUFFile
 
 Q = GGMLQuantizationType
 
@@ -65,27 +66,19 @@ def check_gguf_type(tensor_name: str, qtype: GGMLQuantizationType | int) -> None
                          f"{qtype.name}; supported: {names}")
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar/string/small-array key-values as Python values (token lists skipped)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _SKIP_FIELDS:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # exotic field types are irrelevant to the config
-            continue
-    return meta
+def read_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    """Key-values as Python values, the tokenizer's big arrays left out."""
+    return {k: v for k, v in gguf.metadata.items() if k not in _SKIP_FIELDS}
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(gguf: GGUFFile) -> ModelConfig:
     """The :class:`ModelConfig` of an opened GGUF file."""
-    meta = read_metadata(reader)
-    names = {t.name: t for t in reader.tensors}
+    meta = read_metadata(gguf)
+    names = {t.name: t for t in gguf.tensors}
     vocab = None
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        vocab = len(tokens.data)
+        vocab = len(tokens)
     elif "token_embd.weight" in names:
         vocab = int(names["token_embd.weight"].shape[-1])
     freq = None
@@ -96,7 +89,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
 
 
 def tensor_to_numpy(t: Any) -> np.ndarray:
-    """Dequantize one ``ReaderTensor`` to a float32 array in torch (row-major) shape."""
+    """Dequantize one ``GGUFTensor`` to a float32 array in torch (row-major) shape."""
     check_gguf_type(t.name, t.tensor_type)
     qtype = Q(t.tensor_type)
     if qtype in (Q.F32, Q.F16):
@@ -131,10 +124,10 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{kind}"
 
 
-def iter_gguf(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every weight, q/k rows un-permuted."""
-    llama = reader.fields["general.architecture"].contents() == "llama"
-    for t in reader.tensors:
+    llama = gguf.metadata["general.architecture"] == "llama"
+    for t in gguf.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
@@ -146,7 +139,7 @@ def iter_gguf(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch
         yield name, w
 
 
-def check_gguf_types(reader: GGUFReader) -> None:
+def check_gguf_types(gguf: GGUFFile) -> None:
     """Fail before allocating the model if any tensor cannot be dequantized."""
-    for t in reader.tensors:
+    for t in gguf.tensors:
         check_gguf_type(t.name, t.tensor_type)

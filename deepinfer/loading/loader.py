@@ -104,15 +104,14 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     dev = torch.device(device)
     if path.endswith(".gguf"):
         # Imported here: the gguf package is only needed for GGUF files.
-        from gguf import GGUFReader
-
         from deepinfer.loading.gguf_file import check_gguf_types, gguf_config, iter_gguf
+        from deepinfer.loading.gguf_reader import open_gguf
 
-        reader = GGUFReader(path)
-        check_gguf_types(reader)
-        cfg = gguf_config(reader)
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf(reader, cfg)
-        total = len(reader.tensors)
+        gguf = open_gguf(path)
+        check_gguf_types(gguf)
+        cfg = gguf_config(gguf)
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf(gguf, cfg)
+        total = len(gguf.tensors)
     else:
         cfg = ModelConfig.from_hf_folder(path)
         files = safetensors_files(path)

@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Building blocks of the decoder: Linear and Embedding without random init, RMSNorm,
+rotary embedding, SiLU-and-mul.
 
 Each one reproduces the Hugging Face op bit-for-bit in the same dtype (same order of
 float operations), so fp32 logits match transformers to rounding.
@@ -12,6 +13,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weights are only ever filled from a checkpoint: no random init
+    (on the meta device it would also pull in torch's decompositions, seconds of
+    imports at start-up)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random init (see ``Linear``)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class RMSNorm(nn.Module):

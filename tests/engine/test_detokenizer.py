@@ -165,3 +165,36 @@ def test_sentencepiece_style_leading_space_and_byte_fallback(sp_tok):
     det = IncrementalDetokenizer(tok, prompt, stop=["stop"])
     feed(det, out)
     assert det.stopped and det.text == " world 😀! "
+
+
+MULTILINGUAL = [TEXT, "naïve café – ½ ¾ 🚀🚀 Здравствуй мир", "αβγ δ ε 中文 한국어 🤖!"]
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_decode_once_equals_the_incremental_text_at_every_length(smol_tok, text):
+    """The engine decodes a sample without stop strings once, at its end: the text must
+    be the incremental one, also when the output ends inside a multi-byte character."""
+    from deepinfer.detokenizer import decode_once
+
+    prompt = smol_tok.encode("Translate:")
+    ids = smol_tok.encode(text)
+    for skip in (True, False):
+        det = IncrementalDetokenizer(smol_tok, prompt, skip_special_tokens=skip)
+        for n, t in enumerate(ids, 1):
+            det.add(t)
+            assert decode_once(smol_tok, prompt, ids[:n], skip_special_tokens=skip) \
+                == det.text, (n, ids[:n])
+
+
+def test_decode_once_sentencepiece_leading_space_and_byte_fallback(sp_tok):
+    from deepinfer.detokenizer import decode_once
+
+    tok, vocab = sp_tok
+    euro = [vocab[f"<0x{b:02X}>"] for b in "€".encode()]
+    ids = [vocab["▁Hello"], vocab["▁world"], *euro, vocab["!"], vocab["▁done"]]
+    prompt = [1, vocab["▁the"], vocab["▁end"]]
+    det = IncrementalDetokenizer(tok, prompt)
+    for n, t in enumerate(ids, 1):
+        det.add(t)
+        assert decode_once(tok, prompt, ids[:n]) == det.text, n
+    assert det.text == " Hello world€! done"

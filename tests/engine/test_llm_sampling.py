@@ -125,3 +125,30 @@ def test_parallel_samples_differ_and_share_prompt_blocks(llm):
     assert len({tuple(o.token_ids) for o in outs}) == 3
     assert all(len(o.token_ids) == 6 for o in outs)
     assert engine.scheduler.cache_usage() == 0
+
+
+def test_text_decoded_at_the_end_equals_the_incremental_text(llm):
+    """Samples without stop strings are decoded once when they finish; a stop string
+    that never matches switches on the incremental detokenizer: same text, same tokens."""
+    prompts = [PROMPT, *OTHER]
+    lazy = _gen(llm, prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+    eager = _gen(llm, prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
+                                              stop=["\x00never\x00"]))
+    for a, b in zip(lazy, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text and a.outputs[0].text
+
+
+def test_seeded_sampling_follows_the_distribution():
+    """The counter-based seeded draws are uniform: over many seeds, a seeded row's tokens
+    follow softmax(logits / T) like unseeded rows do."""
+    import torch
+
+    from deepinfer.sampler import Sampler, SamplingTensors
+
+    logits = torch.tensor([0.0, 1.0, 2.0, 0.5]).expand(4000, -1).clone()
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(4000)]
+    st = SamplingTensors.from_params(params, 4, "cpu", steps=[3] * 4000)
+    tokens, _ = Sampler().sample(logits, st)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03), freq

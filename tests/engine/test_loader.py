@@ -133,3 +133,26 @@ def test_unsupported_rope_type_names_it():
             {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
              "rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_fast_dequantize_equals_gguf_quants(qtype):
+    """The torch block decoders give exactly what gguf's reference decoder gives, on
+    random blocks (random scales included: any bit pattern but NaN/inf)."""
+    import numpy as np
+    from gguf.quants import dequantize as reference
+
+    from deepinfer.loading.gguf_dequant import dequantize
+
+    q = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[q]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(3, 5 * size), dtype=np.uint8)
+    # Finite f16 scales: random bits with the exponent kept below its all-ones value.
+    for b in range(5):
+        for at in ((0, 2) if q == GGMLQuantizationType.Q4_1 else (0,)):
+            raw[:, b * size + at + 1] &= 0x3B
+    want = reference(raw, q)
+    got = dequantize(raw, q)
+    assert got.shape == want.shape == (3, 5 * block)
+    np.testing.assert_array_equal(got, want)

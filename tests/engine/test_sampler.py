@@ -11,15 +11,11 @@ from deepinfer.sampling_params import SamplingParams as SP
 V = 16
 
 
-def run(logits, params, slots=None, states=None, generators=None, banned=None):
+def run(logits, params, slots=None, states=None, banned=None, steps=None):
     n = logits.shape[0]
     slots = torch.arange(n) if slots is None else slots
-    generators = [None] * n if generators is None else generators
-    return Sampler().sample(logits, slots, states, params, generators, banned)
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    st = SamplingTensors.from_params(params, logits.shape[-1], "cpu", banned, steps)
+    return Sampler().sample(logits, st, slots, states)
 
 
 def frequencies(logits_row: torch.Tensor, p: SP, draws: int = 6000) -> torch.Tensor:
@@ -128,11 +124,11 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top(min_p, support):
 # --------------------------------------------------------------------------- seeds
 def _seeded_stream(seed_rows, batch_params, steps=6, vocab=64):
     """Tokens of the seeded rows over ``steps`` steps of one batch; logits differ per step."""
-    gens = [gen(s) if s is not None else None for s in seed_rows]
+    params = [p if s is None else p.replace(seed=s) for p, s in zip(batch_params, seed_rows)]
     out = []
     for step in range(steps):
-        logits = torch.linspace(-1, 1, vocab).sin().mul(step + 1).expand(len(gens), -1)
-        tokens, _ = run(logits.clone(), batch_params, generators=gens)
+        logits = torch.linspace(-1, 1, vocab).sin().mul(step + 1).expand(len(params), -1)
+        tokens, _ = run(logits.clone(), params, steps=[step] * len(params))
         out.append([int(t) for t, s in zip(tokens, seed_rows) if s is not None])
     return out
 

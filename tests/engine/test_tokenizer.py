@@ -1,4 +1,4 @@
-"""Tokenizers: the default GGUF's (via transformers) and a local HF folder's."""
+"""Tokenizers: the default GGUF's (built from its metadata) and a local HF folder's."""
 
 from __future__ import annotations
 
@@ -44,3 +44,50 @@ def test_hf_folder_tokenizer_without_chat_template(tmp_path):
 def test_missing_tokenizer_path_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
         load_tokenizer(str(tmp_path / "nowhere.gguf"))
+
+
+TEXTS = ["Hello world", " leading space", "Héllo 😀 世界, 日本語! ok 🇫🇷 👩‍👩‍👧\n∑ x² ≤ ∞",
+         "<|im_start|>user\nhi<|im_end|>\n", "12345 6789 a1b2", "  two  spaces\t\ttabs\r\n",
+         "def f(x):\n    return x**2  # comment", "<|endoftext|><file_sep>x"]
+
+
+def test_gguf_tokenizer_built_from_metadata_equals_transformers(smollm2_path,
+                                                                 smollm2_tokenizer):
+    """The default model's tokenizer is built from the metadata the loader already read
+    (one parse of the file); it must encode, decode and template exactly like the one
+    transformers converts from the same file."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from deepinfer.loading.gguf_reader import open_gguf
+    from deepinfer.tokenizer import byte_level_tokenizer_from_gguf
+
+    # The default model takes the fast path, not transformers' converter.
+    assert byte_level_tokenizer_from_gguf(open_gguf(smollm2_path).metadata) is not None
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path),
+                                        gguf_file=os.path.basename(smollm2_path))
+    for text in TEXTS:
+        for special in (True, False):
+            ids = smollm2_tokenizer.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+            for skip in (True, False):
+                assert smollm2_tokenizer.decode(ids, skip_special_tokens=skip) \
+                    == ref.decode(ids, skip_special_tokens=skip), text
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert apply_chat_template(smollm2_tokenizer, msgs) == apply_chat_template(ref, msgs)
+    assert smollm2_tokenizer.all_special_ids == ref.all_special_ids
+    assert (smollm2_tokenizer.eos_token_id, smollm2_tokenizer.bos_token_id) == \
+        (ref.eos_token_id, ref.bos_token_id)
+    assert len(smollm2_tokenizer) == len(ref)
+
+
+def test_gguf_metadata_of_another_kind_is_left_to_transformers():
+    from deepinfer.tokenizer import byte_level_tokenizer_from_gguf
+
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1]}
+    assert byte_level_tokenizer_from_gguf(base).encode("ab", add_special_tokens=False) == [2]
+    for change in ({"tokenizer.ggml.model": "llama"}, {"tokenizer.ggml.pre": "qwen2"},
+                   {"tokenizer.ggml.add_bos_token": True}):
+        assert byte_level_tokenizer_from_gguf({**base, **change}) is None, change
