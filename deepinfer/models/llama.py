@@ -177,7 +177,15 @@ class LlamaForCausalLM(nn.Module):
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if (offset is None and tensor.dtype == dst.dtype and tensor.device == dst.device
+                    and tensor.is_contiguous()
+                    and tensor.untyped_storage().nbytes() == dst.numel() * dst.element_size()):
+                # A tensor that owns exactly its memory (a dequantized GGUF weight, not a
+                # view into a memory-mapped shard) is adopted: copying would touch every
+                # page twice, a second of the default model's start-up.
+                param.data = tensor
+            else:
+                dst.copy_(tensor)
             loaded.add(target if offset is None else f"{target}#{offset}")
         return loaded
 
