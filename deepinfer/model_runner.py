@@ -255,9 +255,11 @@ class ModelRunner:
 
         hidden = self._run_model(out)
         if out.num_samples == 0:
+            b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
             return [], None
         logits = self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
         slots = self._to_device(b.sample_state_slots)
+        b.mark_copied()
         token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,
                                                   self.states)
         Sampler.record_output_tokens(self.states, token_ids, slots)

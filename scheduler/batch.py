@@ -7,11 +7,18 @@ decode step and hands out ``LaunchBatch`` slices of the tensors: no allocation p
 It alternates between two buffer sets, so a step's tensors are not overwritten by the
 very next ``schedule()`` even if the runner's async copies are still in flight; the
 contract the scheduler publishes is still "valid until the next ``schedule()``".
+
+A buffer set is not rewritten while an earlier step's asynchronous host-to-device copy
+from it may still be pending: the consumer records an event after enqueuing its copies
+(``LaunchBatch.mark_copied``) and the builder waits on it before writing that set again
+(a run of prefill chunks with no samples, or an overlapped engine loop, would otherwise
+recycle a set with no sync in between).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,10 +56,20 @@ class LaunchBatch:
     max_query_len: int
     max_seq_len: int
     num_tokens: int
+    buffers: BatchBuffers | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def mark_copied(self) -> None:
+        """Called by the consumer once every copy from these host tensors is enqueued on
+        the current CUDA stream: the builder waits for them before reusing the memory.
+        Nothing to do on CPU (copies there are synchronous)."""
+        if self.buffers is not None and self.buffers.pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self.buffers.copied = event
 
 
 class BatchBuffers:
@@ -80,6 +97,15 @@ class BatchBuffers:
         self.logits_indices_np = self.logits_indices.numpy()
         self.state_slots_np = self.state_slots.numpy()
         self.sample_state_slots_np = self.sample_state_slots.numpy()
+        self.pinned = pin  # the engine runs on CUDA: copies from here are asynchronous
+        # An event (anything with ``synchronize()``) recorded after the consumer's copies.
+        self.copied: Any = None
+
+    def wait_until_copied(self) -> None:
+        """Block until the last consumer's copies out of these buffers have completed."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
 
     def block_tables_view(self, b: int, w: int) -> np.ndarray:
         """Writable contiguous ``[b, w]`` numpy view for the block tables."""
@@ -101,6 +127,7 @@ class BatchBuffers:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_tokens=t,
+            buffers=self,
         )
 
 
@@ -118,7 +145,9 @@ class BatchBuilder:
 
     def _next(self) -> BatchBuffers:
         self._index ^= 1
-        return self._bufs[self._index]
+        buf = self._bufs[self._index]
+        buf.wait_until_copied()
+        return buf
 
     def _block_tables(self, buf: BatchBuffers, slots: np.ndarray) -> int:
         """Copy the rows of ``slots`` (int64 [B]) at the width of the widest; returns it."""

@@ -439,3 +439,31 @@ def test_add_and_abort_from_another_thread():
     run_to_completion(s, r)
     s.check_invariants()
     assert s.cache_usage() == 0
+
+
+def test_a_buffer_set_waits_for_its_last_copies_before_being_rewritten():
+    """Launch buffers alternate between two sets; a set whose consumer recorded a copy
+    event is not rewritten until that event completed (CUDA events where a GPU runs; the
+    same protocol through any object with ``synchronize()``)."""
+
+    class Copies:
+        def __init__(self) -> None:
+            self.waited = 0
+
+        def synchronize(self) -> None:
+            self.waited += 1
+
+    s = make()
+    s.add_request("a", [1, 2, 3, 4, 5], 6)
+    r = FakeRunner(s)
+    out = s.schedule()
+    first = out.batch.buffers
+    copies = Copies()
+    first.copied = copies  # what LaunchBatch.mark_copied records on CUDA
+    s.update(out, r.execute(out))
+    out = s.schedule()  # the other set: nothing to wait for
+    assert out.batch.buffers is not first and copies.waited == 0
+    s.update(out, r.execute(out))
+    out = s.schedule()  # back to the first set: its copies are waited for, once
+    assert out.batch.buffers is first and copies.waited == 1 and first.copied is None
+    s.update(out, r.execute(out))
