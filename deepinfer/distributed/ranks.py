@@ -121,6 +121,10 @@ def destroy_group() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    # A group object still held by a reference cycle (a scheduler's voter, say) would
+    # otherwise be freed during interpreter shutdown, where gloo's teardown can abort the
+    # process ("terminate called without an active exception", SIGABRT).
+    gc.collect()
 
 
 def comm_device(device: str) -> torch.device:

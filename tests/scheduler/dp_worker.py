@@ -16,10 +16,12 @@ def run_rank(rank: int, world: int, port: int, loads: list, cfg: dict, outdir: s
     per-step log ``[decode_step before the step, is_prompt, num seqs]`` and the
     finished sequences' output lengths to ``outdir/rank{rank}.json``."""
     torch.set_num_threads(1)
+    from deepinfer.distributed.ranks import destroy_group
     from scheduler import Scheduler, SchedulerConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    s = None
     try:
         s = Scheduler(SchedulerConfig(**cfg), dp_group=dist.group.WORLD)
         pending = sorted(loads[rank])
@@ -50,4 +52,5 @@ def run_rank(rank: int, world: int, port: int, loads: list, cfg: dict, outdir: s
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump({"log": log, "done": done, "usage": s.cache_usage()}, f)
     finally:
-        dist.destroy_process_group()
+        del s  # the scheduler's voter holds the group: drop it before the teardown
+        destroy_group()
