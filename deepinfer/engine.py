@@ -52,10 +52,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_backend(name: str, device: torch.device) -> ModuleType:
-    """``auto``: Triton on CUDA, the torch reference on CPU; ``triton`` on CPU interprets."""
+    """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets.
+
+    ``torch`` runs ``kernels.cpu_backend`` on the CPU (the reference's signatures, made fast
+    there: block gathers into a reused workspace) and the plain reference on a GPU."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
+        if device.type == "cpu":
+            from kernels import cpu_backend
+
+            return cpu_backend
         from kernels import reference
 
         return reference

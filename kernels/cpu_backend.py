@@ -1,0 +1,251 @@
+"""CPU execution backend: the ops of ``kernels.reference`` with the same signatures, made fast
+on the CPU.
+
+``kernels.reference`` stays the simple oracle the kernel tests compare against; this module
+is what the engine runs on the CPU. Shapes follow docs/kernels.md: K/V caches are
+``[num_blocks, block_size, num_kv_heads, head_dim]``, a slot is
+``block_id * block_size + offset``.
+
+Decode (the hot path) is bounded by memory traffic and by per-op overhead, so it:
+
+- gathers whole blocks (one ``index_select`` row per block, not per token) into a small
+  per-thread workspace that is reused across calls: a fresh multi-MB tensor per step costs
+  more in page faults than the copy itself, and a workspace that stays in cache makes the
+  attention after the gather read from cache instead of DRAM;
+- works on chunks of sequences sorted by length (longest first), each chunk about
+  ``_CHUNK_BYTES`` of gathered K+V, cut to its own longest sequence, so ragged batches pay
+  for little padding and no step ever materialises every sequence's whole K/V;
+- runs one ``scaled_dot_product_attention`` per chunk with the ``Hq // Hkv`` query heads of
+  a KV head as the query axis (K/V read once per group), without a mask when the chunk's
+  sequences all have the same length (the common lockstep-decode case).
+
+Positions past a sequence's end are never let into a result: their K/V rows in the
+workspace are zeroed before the attention (unwritten slots may hold NaN/inf, and a masked
+score times NaN is still NaN) and the mask hides them.
+
+Prefill stays a Python loop over the step's sequences (a CPU prompt step holds few), but
+with a causal SDPA that needs no materialised mask when a sequence has no cached prefix,
+and K/V expanded (a stride-0 view, no copy) over the query heads of each KV head.
+
+``store_kv`` skips the reference's padding filter (two boolean-index copies) when no slot
+is negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
+``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
+an ``index_copy_`` rewrite of ``clone_blocks`` saved at most ~0.1-1.5 ms per call (1-8
+pairs on a 30-layer cache), not worth a second implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.reference import clone_blocks, clone_states, zero_states
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "clone_blocks",
+    "zero_states",
+    "clone_states",
+]
+
+# Gathered K+V bytes per decode chunk (fp32 K+V of SmolLM2-135M: ~2.7k tokens). Measured
+# with benchmarks/bench_cpu_attention.py at 1 and 2 threads: 256 KiB pays too much per-op
+# overhead, 16 MiB falls out of cache and costs ~1.3x; 1-8 MiB are within noise of each
+# other, 4 MiB was best or near it on every case.
+_CHUNK_BYTES = 4 << 20
+
+_workspace = threading.local()
+
+
+def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat per-thread scratch tensor of at least ``numel`` elements, kept across calls.
+
+    Grown (never shrunk) on demand; per thread so that calls running concurrently in two
+    threads never share one. Its contents are garbage on entry.
+    """
+    bufs: dict[tuple[str, torch.dtype], torch.Tensor] | None = getattr(
+        _workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = {}
+    buf = bufs.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        # A normal tensor even when first asked for under inference_mode: an inference
+        # tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype)
+        bufs[(name, dtype)] = buf
+    return buf[:numel]
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's K/V (``[T, Hkv, D]``) at ``slot_mapping[t]`` (``[T]`` int64).
+
+    Negative slots are padding and are skipped (then the reference's filtering path runs).
+    """
+    if slot_mapping.numel() == 0:
+        return
+    if bool((slot_mapping < 0).any()):
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        # Flat [slots, Hkv, D] view: index_copy_ is ~10x faster than index assignment.
+        cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(
+            0, slots, src.to(cache.dtype))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its ``seq_lens[b]`` cached keys.
+
+    q ``[B, Hq, D]``; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]`` (contiguous);
+    block_tables ``[B, W]`` int32/int64; seq_lens ``[B]`` int32. Returns ``[B, Hq, D]`` in
+    q's dtype (written into ``out`` when given). fp32 math whatever the cache dtype. Table
+    entries past a sequence's last block are never read. A sequence of length 0 gets zeros.
+    ``num_splits`` and ``max_seq_len`` only steer the Triton kernel: the lengths are read
+    from ``seq_lens`` here (host memory, no sync), so a wrong hint cannot cut keys off.
+    """
+    del num_splits, max_seq_len
+    b, hq, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    row = hkv * d  # elements of one token's K (or V) row
+    block = block_size * row  # elements of one block
+
+    # Longest first: each chunk is cut to the length of its first sequence.
+    lens, order = torch.sort(seq_lens.long(), descending=True, stable=True)
+    lens_host: list[int] = lens.tolist()
+    if lens_host[0] <= 0:
+        return out.zero_()
+    width = -(-lens_host[0] // block_size)
+    need = (lens + block_size - 1) // block_size
+    # Columns past a sequence's last block may be padding or stale ids: read the
+    # sequence's first block there instead (masked anyway) so no such id is dereferenced.
+    tables = block_tables.index_select(0, order)[:, :width].long()
+    cols = torch.arange(width, device=q.device)
+    tables = torch.where(cols[None, :] < need[:, None], tables, tables[:, :1])
+
+    q_sorted = q.index_select(0, order).float().view(b, hkv, group, d)
+    o_sorted = torch.empty((b, hkv, group, d), dtype=torch.float32, device=q.device)
+    k_blocks = k_cache.view(k_cache.shape[0], block)
+    v_blocks = v_cache.view(v_cache.shape[0], block)
+    positions = torch.arange(width * block_size, device=q.device)
+
+    # Enough sequences per chunk that SDPA (parallel over sequence x kv head) has work for
+    # every thread; the workspace always holds that many of the longest.
+    min_seqs = min(b, -(-torch.get_num_threads() // hkv))
+    tok_bytes = 2 * row * k_cache.element_size()
+    chunk_tokens = max(_CHUNK_BYTES // tok_bytes, min_seqs * width * block_size)
+    k_ws = _buffer("k", chunk_tokens * row, k_cache.dtype)
+    v_ws = _buffer("v", chunk_tokens * row, k_cache.dtype)
+    upcast = k_cache.dtype != torch.float32
+    if upcast:
+        k_ws32 = _buffer("k32", chunk_tokens * row, torch.float32)
+        v_ws32 = _buffer("v32", chunk_tokens * row, torch.float32)
+
+    i = 0
+    while i < b:
+        longest = lens_host[i]
+        if longest == 0:  # the rest are empty sequences: attention over nothing is 0
+            o_sorted[i:].zero_()
+            break
+        nblk = -(-longest // block_size)
+        span = nblk * block_size
+        n = min(b - i, chunk_tokens // span)  # >= min_seqs: span <= width * block_size
+        e = i + n
+        k = k_ws[: n * span * row]
+        v = v_ws[: n * span * row]
+        ids = tables[i:e, :nblk].reshape(-1)
+        torch.index_select(k_blocks, 0, ids, out=k.view(n * nblk, block))
+        torch.index_select(v_blocks, 0, ids, out=v.view(n * nblk, block))
+        mask = None
+        if lens_host[e - 1] != longest:
+            valid = positions[None, :span] < lens[i:e, None]  # [n, span]
+            # Zero every K/V row past its sequence's end (only the ragged tails: cheap).
+            bad = (~valid).view(-1).nonzero().view(-1)
+            k.view(n * span, row).index_fill_(0, bad, 0)
+            v.view(n * span, row).index_fill_(0, bad, 0)
+            mask = valid[:, None, None, :longest]
+        if upcast:
+            k = k_ws32[: k.numel()].copy_(k)
+            v = v_ws32[: v.numel()].copy_(v)
+        # [n, span, Hkv, D] -> keys 0..longest-1 as [n, Hkv, longest, D] (a strided view).
+        kt = k.view(n, span, hkv, d)[:, :longest].transpose(1, 2)
+        vt = v.view(n, span, hkv, d)[:, :longest].transpose(1, 2)
+        o_sorted[i:e] = F.scaled_dot_product_attention(
+            q_sorted[i:e], kt, vt, attn_mask=mask, scale=scale)
+        i = e
+    out.index_copy_(0, order, o_sorted.view(b, hq, d).to(out.dtype))
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over prefix + themselves, all read from cache.
+
+    q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
+    cached prefix plus this step's new tokens. Returns ``[T, Hq, D]`` in q's dtype (into
+    ``out`` when given); fp32 math.
+    """
+    del max_query_len
+    hq, d = q.shape[1], q.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    starts: list[int] = query_start_loc.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        ids = block_tables[b, : -(-length // block_size)].long()
+        # [length, Hkv, D] -> [Hkv, 1, length, D] expanded (stride 0) over the group: SDPA's
+        # own GQA support is several times slower on CPU, and a repeat would copy.
+        k, v = (cache.index_select(0, ids).view(-1, hkv, d)[:length].float()
+                .permute(1, 0, 2).unsqueeze(1).expand(hkv, group, length, d)
+                for cache in (k_cache, v_cache))
+        qh = q[s:e].float().view(q_len, hkv, group, d).permute(1, 2, 0, 3)
+        if q_len == length:  # no cached prefix: plain causal, no mask tensor
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        else:  # query i sits at position length - q_len + i (bottom-right causal)
+            mask = torch.ones((q_len, length), dtype=torch.bool, device=q.device).tril(
+                length - q_len)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        out[s:e] = o.permute(2, 0, 1, 3).reshape(q_len, hq, d)
+    return out
