@@ -596,29 +596,54 @@ def startup_line(s: dict) -> str:
 
 # ---------------------------------------------------------------------------- overlap
 class _SimulatedDevice:
-    """The model's forward becomes a device that takes ``delay`` seconds and does no CPU
-    work: it sleeps (in whichever thread calls it, so an engine that runs the forward in
-    a background thread overlaps it with host work) and returns zeros of the right shape.
-    ``compute_logits`` and sampling stay real (and tiny)."""
+    """A device that takes ``delay`` seconds a step and runs asynchronously, as a GPU
+    does: the model's forward returns zeros at once (no CPU work), and each launched
+    step's sampled ids become ready ``delay`` after the device is free to start it
+    (steps queue behind each other). ``result()`` on the step's handle sleeps until then.
+    The host part of a step (scheduling, launch tensors, sampling, update) stays real, so
+    with ``async_scheduling`` off a step costs host + D, with it on ideally max(host, D).
+    """
 
-    def __init__(self, model, delay: float) -> None:
-        self.model, self.delay = model, delay
+    def __init__(self, engine, delay: float) -> None:
+        self.model = _model_of(engine)
+        self.runner = engine.runner
+        self.delay = delay
         self.seconds, self.calls = 0.0, 0
-        hidden = model.config.hidden_size
-        dtype = next(model.parameters()).dtype
+        self.free_at = 0.0
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        launch = self.runner.launch
 
         def forward(input_ids, *args, **kwargs):
-            t0 = time.perf_counter()
-            time.sleep(delay)
-            out = torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
-            return out
+            return torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
 
-        model.forward = forward
+        def delayed_launch(out, sampling=None):
+            handle = launch(out, sampling)
+            start = max(time.perf_counter(), self.free_at)
+            self.free_at = start + self.delay
+            self.seconds += self.delay
+            self.calls += 1
+            return _ReadyAt(handle, self.free_at)
+
+        self.model.forward = forward
+        self.runner.launch = delayed_launch
 
     def remove(self) -> None:
         del self.model.forward
+        del self.runner.launch
+
+
+class _ReadyAt:
+    """A launched step's handle whose ids are ready at ``ready_at`` (perf_counter)."""
+
+    def __init__(self, handle, ready_at: float) -> None:
+        self.handle, self.ready_at = handle, ready_at
+
+    def result(self):
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.handle.result()
 
 
 def run_overlap(model_dir: str, num_seqs: int, delay_ms: float, steps: int,
@@ -637,7 +662,7 @@ def run_overlap(model_dir: str, num_seqs: int, delay_ms: float, steps: int,
     for flag in (False, True):
         llm = make_llm(model_dir, num_seqs, long_, async_scheduling=flag)
         vocab = llm.engine.model_config.vocab_size
-        dev = _SimulatedDevice(_model_of(llm.engine), delay_ms / 1e3)
+        dev = _SimulatedDevice(llm.engine, delay_ms / 1e3)
         try:
             llm.generate(_prompts(4, vocab, 7), SamplingParams(max_tokens=4, ignore_eos=True),
                          use_tqdm=False)

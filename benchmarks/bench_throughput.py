@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> dict:
     from deepinfer import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 16)
+              max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 16,
+              async_scheduling=getattr(args, "async_scheduling", None))
     vocab = llm.engine.model_config.vocab_size
     wl = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
     ours_s, ours_tok = run_deepinfer(llm, wl)
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="transformers batch size(s), comma-separated; the best one counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=None, help="overlapped scheduling (default: on for CUDA)")
     p.add_argument("--name", default=None, help="results file stem")
     p.add_argument("--dp", type=int, default=1,
                    help="also run the workload over N data-parallel ranks (spawned)")

@@ -30,7 +30,8 @@ def flag_name(field_name: str) -> str:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per command-line field of ``EngineArgs`` (see ``engine_args.option``);
-    booleans get ``--x`` / ``--no-x``."""
+    booleans (and ``bool | None`` fields, declared with ``type=bool``) get ``--x`` /
+    ``--no-x``."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineArgs):
         meta = f.metadata
@@ -38,7 +39,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         names = [meta.get("flag") or flag_name(f.name), *meta.get("aliases", ())]
         kwargs: dict = {"default": f.default, "help": meta["help"], "dest": f.name}
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) or meta.get("type") is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = meta.get("type") or type(f.default)

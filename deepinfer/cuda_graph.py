@@ -75,12 +75,15 @@ class DecodeGraphRunner:
         width = batch.block_tables.shape[1]
         return 0 < batch.num_tokens <= self.sizes[-1] and width <= self.block_tables.shape[1]
 
-    def run(self, batch) -> torch.Tensor:
-        """Replay the smallest bucket that holds ``batch``; returns hidden ``[B, H]``."""
+    def run(self, batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the smallest bucket that holds ``batch``; returns hidden ``[B, H]``.
+        ``input_ids``: ``[B]`` int64 on the device to use instead of the batch's own
+        (placeholders already resolved)."""
         n = batch.num_tokens
         bs = next(s for s in self.sizes if s >= n)
         w = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        ids = batch.input_ids if input_ids is None else input_ids
+        self.input_ids[:n].copy_(ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(-1)

@@ -1,8 +1,11 @@
 """The engine: requests in, finished ``RequestOutput``s out, one step at a time.
 
-``LLMEngine.step()`` is one scheduler step: ``schedule()`` -> ``ModelRunner.execute()`` ->
-``Scheduler.update()`` -> detokenize, stop strings, logprobs. ``drain()`` is the one loop
-that steps until the work is done; ``LLM`` (llm.py), the one-engine and DP jobs drive it.
+``LLMEngine.step()`` is one scheduler step: ``schedule()`` -> ``ModelRunner.launch()`` ->
+wait for the sampled ids -> ``Scheduler.update()`` -> stop strings, logprobs, finished
+requests. ``drain()`` is the one loop that steps until the work is done; ``LLM`` (llm.py),
+the one-engine and DP jobs drive it. With ``async_scheduling`` it keeps one step in
+flight: step k+1 is scheduled and launched before step k's ids reach the host, so the
+host's work hides behind the device's (docs/scheduling.md, "Overlapped scheduling").
 ``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
 (disaggregated prefill/decode).
 """
@@ -19,7 +22,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.loading.loader import load_model, resolve_model_path
-from deepinfer.model_runner import KVCacheSpec, ModelRunner, StepSampling
+from deepinfer.model_runner import KVCacheSpec, ModelRunner, SampledTokens, StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import RequestState, SampleState, SequenceExport
 from deepinfer.sampling_params import SamplingParams
@@ -128,8 +131,14 @@ class LLMEngine:
             ),
             dp_group=dp_group,
         )
+        self.async_scheduling = (on_cuda if args.async_scheduling is None
+                                 else args.async_scheduling)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        # Requests finished by a step completed while no one was iterating (drain closed
+        # with a step in flight): handed out by the next step() or drain().
+        self._undelivered: list[RequestOutput] = []
+        self._last_done = 0.0  # when the last step completed (overlapping step times)
         # Samples whose tokens need host work each step (stop strings, logprobs).
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
         self.stats = EngineStats()
@@ -229,12 +238,35 @@ class LLMEngine:
               on_step: Callable[[], None] | None = None) -> Iterator[RequestOutput]:
         """Step while ``keep_going()`` (default: this engine has unfinished work); yield
         each request as it finishes. ``on_step`` runs after every step (progress).
-        A DP rank passes a ``keep_going`` that asks the whole group."""
+        A DP rank passes a ``keep_going`` that asks the whole group. With
+        ``async_scheduling`` one step stays in flight while the next is scheduled."""
         keep_going = keep_going or self.has_unfinished
-        while keep_going():
-            yield from self.step()
-            if on_step is not None:
-                on_step()
+        overlap = self.async_scheduling
+        done = self._take_undelivered()
+        inflight = None
+        try:
+            while done:
+                yield done.pop(0)
+            while True:
+                more = keep_going()
+                if not more and inflight is None:
+                    return
+                launched = self._launch() if more else None
+                if not overlap and launched is not None:
+                    inflight, launched = launched, None
+                if inflight is not None:
+                    done = self._complete(*inflight)
+                inflight = launched
+                while done:
+                    yield done.pop(0)
+                if on_step is not None:
+                    on_step()
+        finally:
+            # The caller stopped iterating: land the step in flight and keep every
+            # finished request not handed out yet for the next step() or drain().
+            if inflight is not None:
+                done += self._complete(*inflight)
+            self._undelivered = done + self._undelivered
 
     def _start_sample(self, req: RequestState, seq: Sequence) -> SampleState:
         """A sample gets its state slot (new, forked, recomputed or imported): its host
@@ -289,14 +321,30 @@ class LLMEngine:
             output_slots=torch.tensor(o_slot, dtype=torch.int64))
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Run one scheduler step and wait for it; returns the requests that finished."""
+        done = self._take_undelivered()
+        return done + self._complete(*self._launch())
+
+    def _take_undelivered(self) -> list[RequestOutput]:
+        done, self._undelivered = self._undelivered, []
+        return done
+
+    def _launch(self) -> tuple[object, SampledTokens, float]:
+        """Schedule a step and enqueue it on the device."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         sampling = self._step_sampling(out)
-        token_ids, logprobs = self.runner.execute(out, sampling)
-        sample_seqs = out.sample_seqs
+        return out, self.runner.launch(out, sampling), t0
+
+    def _complete(self, out, sampled: SampledTokens, t0: float) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and apply them; returns the requests
+        that finished."""
+        token_ids, logprobs = sampled.result()
         finished_seqs = self.scheduler.update(out, token_ids)
-        dt = time.perf_counter() - t0
+        dropped = self.scheduler.dropped
+        now = time.perf_counter()
+        dt = now - max(t0, self._last_done)  # overlapped steps: count each second once
+        self._last_done = now
         stats = self.stats
         stats.steps += 1
         if out.is_prompt:
@@ -304,9 +352,10 @@ class LLMEngine:
             stats.prompt_time += dt
         else:
             stats.decode_time += dt
-        stats.generated_tokens += len(token_ids)
+        stats.generated_tokens += len(token_ids) - len(dropped)
         if self._watched:
-            self._per_token_host_work(sample_seqs, token_ids, logprobs, finished_seqs)
+            self._per_token_host_work(out.sample_seqs, token_ids, logprobs, finished_seqs,
+                                      {s.seq_id for s in dropped})
 
         done: list[RequestOutput] = []
         for seq in finished_seqs:
@@ -324,13 +373,15 @@ class LLMEngine:
         return done
 
     def _per_token_host_work(self, sample_seqs: list[Sequence], token_ids: list[int],
-                             logprobs: list | None, finished_seqs: list[Sequence]) -> None:
+                             logprobs: list | None, finished_seqs: list[Sequence],
+                             dropped: set[int]) -> None:
         """Logprobs and stop strings: only the samples that asked for them. A stop
-        string that matches ends its sequence here (appended to ``finished_seqs``)."""
+        string that matches ends its sequence here (appended to ``finished_seqs``).
+        ``dropped``: seq ids whose token this step did not apply (they had ended)."""
         watched = self._watched
         for i, seq in enumerate(sample_seqs):
             entry = watched.get(seq.seq_id)
-            if entry is None:
+            if entry is None or seq.seq_id in dropped:
                 continue
             req, st = entry
             tok = token_ids[i]

@@ -53,6 +53,9 @@ class EngineArgs:
         True, "reuse the KV blocks of prompt prefixes seen before",
         flag="--prefix-caching")
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps")
+    async_scheduling: bool | None = option(
+        None, "schedule step k+1 while step k runs (default: on for CUDA, off on CPU)",
+        type=bool)
     engine_type: str = option("normal", "normal, prompt or completion", cli=False)
 
     def validate(self) -> None:

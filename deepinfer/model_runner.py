@@ -39,6 +39,29 @@ class StepSampling:
     output_slots: torch.Tensor | None = None
 
 
+class SampledTokens:
+    """A launched step's sampled ids on their way to the host. ``result()`` waits for
+    them: on CUDA they are copied into pinned memory on a side stream behind an event,
+    so the host can schedule and launch the next step first (overlapped scheduling)."""
+
+    def __init__(self, ids: torch.Tensor | None, logprobs: list | None,
+                 host: torch.Tensor | None = None, event: torch.cuda.Event | None = None
+                 ) -> None:
+        self._ids = ids
+        self._host = host
+        self._event = event
+        self.logprobs = logprobs
+
+    def result(self) -> tuple[list[int], list | None]:
+        """The sampled ids (one per sample, sample order) and logprobs (or None)."""
+        if self._ids is None:
+            return [], self.logprobs
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.tolist(), self.logprobs
+        return self._ids.tolist(), self.logprobs
+
+
 @dataclass
 class KVCacheSpec:
     """How to size the KV cache: on CPU ``kv_cache_memory`` bytes; on CUDA what is left of
@@ -96,6 +119,17 @@ class ModelRunner:
         self.states = Sampler.make_state(spec.max_num_seqs, cfg.vocab_size, device)
         self.sampling_table = SamplingTable(spec.max_num_seqs, cfg.vocab_size)
         self._cached_sampling: tuple[np.ndarray, int, SamplingTensors] | None = None
+        # Each slot's latest sampled id, on the device: a decode input whose token was
+        # still in flight when the step was scheduled (a placeholder) is read from here.
+        self.last_sampled = torch.zeros(spec.max_num_seqs, dtype=torch.int64, device=device)
+        self._copy_stream = None
+        self._host_ids: list[torch.Tensor] = []
+        if device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device)
+            # Two: step k's ids are read on the host while step k+1's are copied.
+            self._host_ids = [torch.empty(spec.max_num_seqs, dtype=torch.int64,
+                                          pin_memory=True) for _ in range(2)]
+        self._host_index = 0
         if num_blocks is None:
             num_blocks = self.plan_num_blocks(spec)
         self.num_blocks = num_blocks
@@ -227,13 +261,21 @@ class ModelRunner:
                  meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_cache, meta, self.backend)
 
-    @torch.inference_mode()
     def execute(self, out, sampling: StepSampling | None = None
                 ) -> tuple[list[int], list | None]:
-        """Run one step; returns the sampled token ids (one per sample) and logprobs.
+        """Run one step and wait for it; returns the sampled token ids (one per sample)
+        and logprobs. ``launch(...).result()``."""
+        return self.launch(out, sampling).result()
+
+    @torch.inference_mode()
+    def launch(self, out, sampling: StepSampling | None = None) -> SampledTokens:
+        """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
+        without waiting for the device (logprobs, when asked for, are read at once).
 
         ``out`` is the scheduler's ``SchedulerOutputs`` of this step (borrowed: consumed
-        before the next ``schedule()``).
+        before the next ``schedule()``). Its decode inputs may hold placeholders (-1)
+        for tokens of the step launched before this one: they are read from
+        ``last_sampled`` on the device.
         """
         b = out.batch
         if out.clone_blocks.numel():
@@ -251,19 +293,31 @@ class ModelRunner:
         if out.clone_states.numel():
             self.backend.clone_states(self.states, self._to_device(out.clone_states))
         if out.num_samples == 0 and b.num_tokens == 0:
-            return [], None
+            return SampledTokens(None, None)
 
         hidden = self._run_model(out)
         if out.num_samples == 0:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
-            return [], None
+            return SampledTokens(None, None)
         logits = self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
         token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,
                                                   self.states)
         Sampler.record_output_tokens(self.states, token_ids, slots)
-        return token_ids.tolist(), logprobs
+        self.last_sampled.index_copy_(0, slots, token_ids)
+        if self._copy_stream is None:
+            return SampledTokens(token_ids, logprobs)
+        host = self._host_ids[self._host_index][: token_ids.shape[0]]
+        self._host_index ^= 1
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(token_ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        token_ids.record_stream(stream)  # the allocator must not reuse it before the copy
+        return SampledTokens(token_ids, logprobs, host, event)
 
     def _sampling_tensors(self, b) -> SamplingTensors:
         """The sampling parameters of this step's samples. A decode step over the same
@@ -285,8 +339,14 @@ class ModelRunner:
 
     def _run_model(self, out) -> torch.Tensor:
         b = out.batch
+        ids = None
+        if not out.is_prompt and b.num_tokens and int(b.input_ids.numpy().min()) < 0:
+            # Tokens of the step launched before this one, still in flight on the host.
+            dev_ids = self._to_device(b.input_ids)
+            ids = torch.where(dev_ids < 0, self.last_sampled[self._to_device(b.state_slots)],
+                              dev_ids)
         if not out.is_prompt and self.graphs is not None and self.graphs.can_run(b):
-            return self.graphs.run(b)
+            return self.graphs.run(b, ids)
         meta = AttentionMetadata(
             is_prompt=out.is_prompt,
             slot_mapping=self._to_device(b.slot_mapping),
@@ -296,4 +356,6 @@ class ModelRunner:
             max_query_len=b.max_query_len,
             max_seq_len=b.max_seq_len,
         )
-        return self._forward(self._to_device(b.input_ids), self._to_device(b.positions), meta)
+        if ids is None:
+            ids = self._to_device(b.input_ids)
+        return self._forward(ids, self._to_device(b.positions), meta)

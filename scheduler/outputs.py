@@ -48,9 +48,11 @@ class SchedulerOutputs:
     clone_states       int64 [P, 2] (parent slot, child slot) of sequences forked now
     batch              LaunchBatch (see ``scheduler.batch``)
     slots              int64 [B] state slots of ``seqs`` (for ``update()``)
-    epoch / step       the scheduler's abort counter and ``schedule()`` count when it
-                       was built: ``update()`` accepts only the latest step, once, and
-                       re-checks statuses if a sequence ended in between
+    owners             int64 [B] seq id holding each of ``slots`` when the step was built:
+                       ``update()`` sends rows whose slot changed hands since (the
+                       sequence ended or was preempted) through the per-sequence path
+    step               the ``schedule()`` count when it was built: ``update()`` takes
+                       steps in order, each once
     """
 
     is_prompt: bool
@@ -64,13 +66,13 @@ class SchedulerOutputs:
     batch: LaunchBatch
     # Bookkeeping for update().
     slots: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
-    epoch: int = field(default=0, repr=False)
+    owners: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     step: int = field(default=0, repr=False)
 
     @classmethod
     def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
               batch: LaunchBatch, slots: np.ndarray, *, clone_blocks: list[int],
-              zero_states: list[int], clone_states: list[int], epoch: int,
+              zero_states: list[int], clone_states: list[int], owners: np.ndarray,
               step: int) -> SchedulerOutputs:
         """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
         ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors."""
@@ -81,7 +83,7 @@ class SchedulerOutputs:
             zero_states=(torch.tensor(zero_states, dtype=torch.int64) if zero_states
                          else _EMPTY),
             clone_states=_pairs(clone_states),
-            batch=batch, slots=slots, epoch=epoch, step=step,
+            batch=batch, slots=slots, owners=owners, step=step,
         )
 
     @property

@@ -34,7 +34,13 @@ def token_list(sampled_token_ids: object) -> list[int]:
 
 class SampleApplier:
     """``finish(seq, reason)`` ends a sequence; the caller of every method rebuilds
-    ``running`` afterwards when something finished. Guarded by the scheduler's lock."""
+    ``running`` afterwards when something finished. Guarded by the scheduler's lock.
+
+    A step's tokens may land after the next step was scheduled (overlapped scheduling).
+    By then a sequence of the step may have finished (abort, stop string, a stop token of
+    the step before): its token is dropped and listed in ``dropped``; or it may have been
+    preempted: the token is kept (it was sampled from valid state) and recomputed with
+    the rest when the sequence is admitted again."""
 
     def __init__(self, states: StateManager, kv: KVCache, registry: SequenceRegistry,
                  caching: bool, finish: Callable[[Sequence, str], None]) -> None:
@@ -43,6 +49,7 @@ class SampleApplier:
         self._registry = registry
         self._caching = caching
         self._finish = finish
+        self.dropped: list[Sequence] = []  # of the last call: tokens not applied
 
     def prompt(self, seqs: list[Sequence], sample_seqs: list[Sequence],
                tokens: list[int]) -> list[Sequence]:
@@ -57,40 +64,56 @@ class SampleApplier:
 
     def each(self, seqs: list[Sequence], tokens: list[int],
              register: bool) -> list[Sequence]:
-        """Per-sequence path (prompt samples, or a decode step after a concurrent abort):
-        skips sequences no longer running."""
+        """Per-sequence path (prompt samples, or decode rows whose sequence ended or was
+        preempted after the step was scheduled)."""
+        self.dropped = []
         bs = self._kv.block_size
         caching = register and self._caching
-        num_tokens, last_token = self._states.num_tokens, self._states.last_token
+        states = self._states
         finished = []
         for seq, t in zip(seqs, tokens):
-            if seq.status is not _RUNNING:
-                continue  # aborted / finished since schedule()
-            slot = seq.slot
+            status = seq.status
+            if status is _FINISHED:
+                self.dropped.append(seq)
+                continue
             seq.output_token_ids.append(t)
-            num_tokens[slot] += 1
-            last_token[slot] = t
-            if caching:
-                computed = seq.num_tokens - 1
-                if computed % bs == 0:
-                    self._kv.register(seq, computed)
+            if status is _RUNNING:
+                slot = np.array([seq.slot])
+                states.land(slot, np.array([t]))
+                if caching:
+                    computed = seq.num_tokens - 1
+                    if computed % bs == 0:
+                        self._kv.register(seq, computed)
             reason = seq.stop_reason(t)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def decode(self, seqs: list[Sequence], slots: np.ndarray,
+    def decode(self, seqs: list[Sequence], slots: np.ndarray, owners: np.ndarray,
                tokens: list[int]) -> list[Sequence]:
-        """Vectorized decode path: every sequence of ``seqs`` (state slots ``slots``,
-        int64 [B]) is still running and gets ``tokens[i]``."""
+        """Vectorized decode path: row i is ``seqs[i]`` in state slot ``slots[i]`` (int64
+        [B]), held by seq id ``owners[i]`` when the step was scheduled; it gets
+        ``tokens[i]``. Rows whose slot changed hands since go through ``each``."""
         states = self._states
         toks = np.asarray(tokens, dtype=np.int64)
-        states.num_tokens[slots] += 1
-        states.last_token[slots] = toks
+        moved = states.owner[slots] != owners
+        finished: list[Sequence] = []
+        if moved.any():
+            gone = np.flatnonzero(moved).tolist()
+            finished = self.each([seqs[i] for i in gone], [tokens[i] for i in gone],
+                                 register=False)
+            dropped = self.dropped
+            keep = np.flatnonzero(~moved)
+            seqs = [seqs[i] for i in keep.tolist()]
+            slots, toks = slots[keep], toks[keep]
+            tokens = toks.tolist()
+        else:
+            dropped = []
+        self.dropped = dropped
+        newlen = states.land(slots, toks)
         for seq, t in zip(seqs, tokens):
             seq.output_token_ids.append(t)
-        newlen = states.num_tokens[slots]
         if self._caching:
             register = self._kv.register
             for i in np.flatnonzero((newlen - 1) % self._kv.block_size == 0).tolist():
@@ -101,7 +124,6 @@ class SampleApplier:
             cand = np.flatnonzero(np.isin(toks, union))
             if cand.size:
                 done = np.union1d(done, cand)
-        finished = []
         for i in done.tolist():
             seq = seqs[i]
             reason = seq.stop_reason(tokens[i])

@@ -8,10 +8,8 @@ cache), ``state_manager`` (slots and their host rows), ``batch`` (launch tensors
 ``samples`` (applying sampled tokens), ``handoff`` (PD export/import), ``registry``
 (live sequences, request validation).
 
-The decode hot path gathers per-slot numpy rows (length, last token, block-table row,
-block count, length limit), so a decode step over B sequences is a handful of
-vectorized gathers plus Python work only for the few sequences that need a new block, a
-copy-on-write or a finish.
+A decode step over B sequences is a few vectorized gathers of per-slot numpy rows plus
+Python work only for sequences that need a new block, a copy-on-write or a finish.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from scheduler.block_manager import BlockPool
 from scheduler.config import EngineType, SchedulerConfig
 from scheduler.dp import DPVoter
 from scheduler.handoff import Handoffs
+from scheduler.invariants import check_scheduler
 from scheduler.kv_cache import KVCache
 from scheduler.outputs import SchedulerOutputs, SchedulerStats
 from scheduler.registry import SequenceRegistry, validate_request
@@ -85,8 +84,8 @@ class Scheduler:
         self.decode_step = 0
         self.stats = SchedulerStats()
         self._step = 0
-        self._updated = True
-        self._epoch = 0  # bumped by abort/finish_sequence: update() re-checks statuses
+        # Steps scheduled and not yet updated, oldest first: at most two (overlap).
+        self._unapplied: deque[int] = deque()
 
     # ================================================================== requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, *,
@@ -114,7 +113,6 @@ class Scheduler:
                 return False
             for seq in list(seqs):
                 self._finish(seq, "abort")
-            self._epoch += 1
             return True
 
     def finish_sequence(self, seq_id: int, reason: str = "stop") -> Sequence | None:
@@ -124,7 +122,6 @@ class Scheduler:
             if seq is None:
                 return None
             self._finish(seq, reason)
-            self._epoch += 1
             return seq
 
     def get_sequences(self, request_id: str) -> list[Sequence]:
@@ -176,7 +173,6 @@ class Scheduler:
         with self._lock:
             seq = self._handoffs.get(seq_id)
             self._finish(seq, "handoff")
-            self._epoch += 1
             return seq
 
     def prefilled_blocks(self, prompt_len: int, max_tokens: int) -> int:
@@ -220,18 +216,24 @@ class Scheduler:
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutputs:
         """Decide this step's type and contents; see ``SchedulerOutputs`` for the borrow
-        contract of what it returns."""
+        contract of what it returns. The previous step may still be waiting for its
+        ``update()`` (overlapped scheduling: its samples are counted, their ids are
+        placeholders in this step's inputs); two may not."""
         with self._lock:
+            if len(self._unapplied) > 1:
+                raise RuntimeError("schedule(): two steps already wait for update(); at "
+                                   "most one step may be in flight")
             # This step's copy lists (docs/scheduling.md, "State slots"). The previous
             # outputs borrowed them; they must have been consumed by now.
             self.kv_cache.clone_blocks.clear()
             self._admission.zero_states.clear()
             self._admission.clone_states.clear()
             self._step += 1
-            self._updated = False
+            self._unapplied.append(self._step)
             out = choose_step(self.config, self.decode_step, self.voter,
                               want=self._wants_prefill, prefill=self._schedule_prefill,
-                              decode=self._schedule_decode, empty_prompt=self._empty_prompt)
+                              decode=self._schedule_decode,
+                              empty_prompt=functools.partial(self._empty, True))
             if out.is_prompt:
                 self.decode_step = 0
                 self.stats.num_prompt_steps += 1
@@ -281,8 +283,10 @@ class Scheduler:
                     sample_seqs.append(child)
                     sample_rows.append(i)
         self._run_slots = None
-        batch = self._batches.prefill(sched, slots, sample_rows,
-                                      [s.slot for s in sample_seqs])
+        sample_slots = [s.slot for s in sample_seqs]
+        batch = self._batches.prefill(sched, slots, sample_rows, sample_slots)
+        if sample_slots:
+            self.state_manager.advance(np.array(sample_slots, dtype=np.int64))
         return self._outputs(True, seqs, sample_seqs, batch, slots)
 
     # ------------------------------------------------------------------ decode
@@ -293,48 +297,60 @@ class Scheduler:
             return self._empty(False)
         kv = self.kv_cache
         states = self.state_manager
+        seqs = self.running
         slots = self._running_slots()
-        pos = states.num_tokens[slots] - 1
+        ntok = states.num_tokens[slots]
+        full = ntok >= states.max_len[slots]
+        if full.any():
+            # Their last token is still in flight and ends them (length): no step more.
+            keep = np.flatnonzero(~full)
+            seqs = [seqs[i] for i in keep.tolist()]
+            slots, ntok = slots[keep], ntok[keep]
+            if not seqs:
+                return self._empty(False)
+        else:
+            seqs = list(seqs)
+        pos = ntok - 1
         bidx, tgt, todo = kv.decode_targets(slots, pos)
         if todo.size:  # rows that need a new block or a copy-on-write first
-            nb = self._reserve_decode(todo.tolist())
+            nb = self._reserve_decode(seqs, todo.tolist())
             if nb == 0:
                 return self._empty(False)
             if nb < slots.shape[0]:
+                del seqs[nb:]
                 slots, pos, bidx = slots[:nb], pos[:nb], bidx[:nb]
-                self._run_slots = slots
             tgt = kv.tables[slots, bidx]
         batch = self._batches.decode(slots, pos, tgt, states.last_token)
-        seqs = list(self.running)
+        states.advance(slots)
         return self._outputs(False, seqs, seqs, batch, slots)
 
-    def _reserve_decode(self, todo: list[int]) -> int:
-        """Give rows ``todo`` of running their next block (new or copy-on-write),
-        preempting from the tail of running when the pool is empty. Returns how many
-        running sequences remain (a prefix of running, in order)."""
-        running = self.running
+    def _reserve_decode(self, seqs: list[Sequence], todo: list[int]) -> int:
+        """Give rows ``todo`` of ``seqs`` (this step's running sequences) their next block
+        (new or copy-on-write), preempting from the tail of ``seqs`` when the pool is
+        empty. Returns how many remain (a prefix of ``seqs``)."""
         kv = self.kv_cache
         num_tokens = self.state_manager.num_tokens
-        end = len(running)
+        end = len(seqs)
         for i in todo:
             if i >= end:
                 break
-            seq = running[i]
+            seq = seqs[i]
             while not kv.make_writable(seq.slot, int(num_tokens[seq.slot]) - 1):
                 if self._partial is not None:
                     # A cut prompt was admitted last: it goes first.
                     self._preempt_partial()
                     continue
                 end -= 1
-                victim = running[end]
+                victim = seqs[end]
                 self._release(victim)
                 victim.status = _WAITING
                 self.waiting.appendleft(victim)
                 self.stats.num_preemptions += 1
                 if victim is seq:
                     break
-        if end < len(running):
-            del running[end:]
+        if end < len(seqs):
+            self.running = [s for s in self.running if s.status is _RUNNING]
+            self._run_slots = None
         return end
 
     def _preempt_partial(self) -> None:
@@ -347,24 +363,23 @@ class Scheduler:
     # ================================================================== update
     def update(self, out: SchedulerOutputs, sampled_token_ids) -> list[Sequence]:
         """Apply one step's sampled tokens (``out.num_samples`` ids in sample order: a
-        list or a 1-D tensor/array). Appends them, applies stop tokens and max_tokens,
-        frees finished sequences, registers newly full blocks in the prefix cache.
-        Returns the sequences that finished."""
+        list or a 1-D tensor/array): append, stop tokens and max_tokens, free finished
+        sequences, register newly full blocks. Returns the sequences that finished.
+        Steps are updated in schedule order, each once (``dropped``: see there)."""
         tl = token_list(sampled_token_ids)
         with self._lock:
-            if out.step != self._step or self._updated:
-                raise ValueError("update() takes the outputs of the latest schedule(), once")
+            if not self._unapplied or out.step != self._unapplied[0]:
+                raise ValueError("update() takes the outputs of the oldest schedule() not "
+                                 "yet updated, once")
             if len(tl) != out.num_samples:
                 raise ValueError(
                     f"update(): got {len(tl)} sampled token ids, the step has "
                     f"{out.num_samples} samples")
-            self._updated = True
+            self._unapplied.popleft()
             if out.is_prompt:
                 finished = self._samples.prompt(out.seqs, out.sample_seqs, tl)
-            elif out.epoch != self._epoch:
-                finished = self._samples.each(out.seqs, tl, register=True)
             else:
-                finished = self._samples.decode(out.seqs, out.slots, tl)
+                finished = self._samples.decode(out.seqs, out.slots, out.owners, tl)
             handed = (out.is_prompt and self.config.engine_type is EngineType.PROMPT
                       # A PROMPT engine never decodes: hand off what would start decoding.
                       and self._handoffs.export(out.sample_seqs))
@@ -372,6 +387,12 @@ class Scheduler:
                 self.running = [s for s in self.running if s.status is _RUNNING]
                 self._run_slots = None
             return finished
+
+    @property
+    def dropped(self) -> list[Sequence]:
+        """Sequences of the last ``update()`` whose token was dropped: they had ended
+        (finished or aborted) after that step was scheduled. Usually empty."""
+        return self._samples.dropped
 
     # ================================================================== helpers
     def _finish(self, seq: Sequence, reason: str, bulk: bool = False) -> None:
@@ -413,34 +434,17 @@ class Scheduler:
             is_prompt, seqs, sample_seqs, batch, slots,
             clone_blocks=self.kv_cache.clone_blocks,
             zero_states=self._admission.zero_states,
-            clone_states=self._admission.clone_states, epoch=self._epoch, step=self._step)
+            clone_states=self._admission.clone_states,
+            owners=self.state_manager.owner[slots], step=self._step)
 
     def _empty(self, is_prompt: bool) -> SchedulerOutputs:
         return self._outputs(is_prompt, [], [], self._batches.empty(),
                              np.zeros(0, dtype=np.int64))
 
-    def _empty_prompt(self) -> SchedulerOutputs:
-        return self._empty(True)
-
     # ================================================================== checks
     def check_invariants(self) -> None:
-        """Assert internal consistency (tests): block ref counts equal block-table
-        references, free and referenced blocks are disjoint, slots are held exactly by
-        the live sequences, slot rows match the sequences, queues match statuses."""
+        """Assert internal consistency (tests); see ``scheduler.invariants``."""
         with self._lock:
-            seqs = list(self._registry.seqs.values())
-            for seq in seqs:
-                assert seq.status is not _FINISHED
-                assert seq.slot < 0 or seq.kv_cache is self.kv_cache
-                if seq.status in (_RUNNING, _TRANSFERRING):
-                    assert seq.slot >= 0
-                    assert len(seq.blocks) * self.block_size >= seq.num_tokens - 1
-            self.kv_cache.check(seqs)
-            self.state_manager.check(seqs)
-            handoffs = self._handoffs.pending
-            assert len(self.running) + len(self.waiting) + len(handoffs) == len(seqs)
-            assert all(s.status is _TRANSFERRING for s in handoffs.values())
-            assert all(s.status is _RUNNING for s in self.running)
-            assert all(s.status is _WAITING for s in self.waiting)
-            held = [s for s in self.waiting if s.slot >= 0]
-            assert len(held) <= 1 and (not held or held[0] is self._partial)
+            check_scheduler(list(self._registry.seqs.values()), self.running, self.waiting,
+                            self._handoffs.pending, self._partial, self.kv_cache,
+                            self.state_manager)

@@ -1,8 +1,14 @@
 """State slots: ``max_num_seqs`` rows of per-sequence device state (sampler penalties,
 recurrent state, ...). A sequence holds one slot from admission to finish or preemption.
 
-The host side of a slot is three numpy rows the decode step gathers by slot instead of
-walking the sequences: the holder's token count, last token and length limit.
+The host side of a slot is a few numpy rows the decode step gathers by slot instead of
+walking the sequences: the holder's token count, last token and length limit, how many of
+its tokens are still in flight, and who holds it.
+
+A scheduled sample's token is counted when the step is scheduled (``advance``: its length
+and the position it writes are known then) and lands in ``update`` (``land``). Until it
+lands the slot's last token is ``PLACEHOLDER``: the next step's input for that sequence is
+read on the device from the sampled ids (overlapped scheduling, docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.sequence import Sequence
+
+# Input id of a sequence whose last token is still being sampled (resolved on the device).
+PLACEHOLDER = -1
 
 
 class StateManager:
@@ -20,9 +29,13 @@ class StateManager:
     ``min(max_num_seqs, max_num_batched_tokens)`` so that every live sequence fits in
     one decode step); defaults to ``num_slots``.
 
-    num_tokens  int64 [num_slots]  prompt + outputs of the sequence holding the slot
-    last_token  int64 [num_slots]  its last token (the next decode input)
+    num_tokens  int64 [num_slots]  prompt + outputs of the sequence holding the slot,
+                                   tokens still in flight included
+    last_token  int64 [num_slots]  its last token (the next decode input), or PLACEHOLDER
     max_len     int64 [num_slots]  prompt + max_tokens (its length limit)
+    pending     int64 [num_slots]  its sampled tokens not yet landed (0, 1 or 2)
+    owner       int64 [num_slots]  seq_id of the holder, -1 when free: a step's rows whose
+                                   owner changed since it was scheduled lost their sequence
     """
 
     def __init__(self, num_slots: int, max_live: int | None = None) -> None:
@@ -33,6 +46,8 @@ class StateManager:
         self.num_tokens = np.zeros(num_slots, dtype=np.int64)
         self.last_token = np.zeros(num_slots, dtype=np.int64)
         self.max_len = np.zeros(num_slots, dtype=np.int64)
+        self.pending = np.zeros(num_slots, dtype=np.int64)
+        self.owner = np.full(num_slots, -1, dtype=np.int64)
 
     @property
     def num_free(self) -> int:
@@ -69,6 +84,8 @@ class StateManager:
         self.num_tokens[slot] = ntok
         self.last_token[slot] = seq.token_slice(ntok - 1, ntok)[0]
         self.max_len[slot] = len(seq.prompt_token_ids) + seq.max_tokens
+        self.pending[slot] = 0
+        self.owner[slot] = seq.seq_id
         return slot
 
     def bind_fork(self, child: Sequence, slot: int, parent_slot: int) -> None:
@@ -77,15 +94,38 @@ class StateManager:
         self.num_tokens[slot] = self.num_tokens[parent_slot]
         self.last_token[slot] = self.last_token[parent_slot]
         self.max_len[slot] = self.max_len[parent_slot]
+        self.pending[slot] = self.pending[parent_slot]
+        self.owner[slot] = child.seq_id
 
     def unbind(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and its reserved fork slots (rows are refilled on reuse)."""
         if seq.slot >= 0:
             self.free(seq.slot)
+            self.owner[seq.slot] = -1
             seq.slot = -1
         for s in seq.reserved_slots:
             self.free(s)
         seq.reserved_slots = []
+
+    # ------------------------------------------------------------------ tokens
+    def advance(self, slots: np.ndarray) -> None:
+        """A step samples one token for each of ``slots`` (int64 [S], distinct): count it
+        now; its id is unknown until ``land``."""
+        self.num_tokens[slots] += 1
+        self.pending[slots] += 1
+        self.last_token[slots] = PLACEHOLDER
+
+    def land(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The sampled ``tokens`` (int64 [S]) of ``slots`` arrived. Returns the holders'
+        lengths with them (int64 [S]; tokens of a later step still in flight excluded)."""
+        pend = self.pending[slots] - 1
+        self.pending[slots] = pend
+        last = pend == 0
+        if last.all():
+            self.last_token[slots] = tokens
+        else:  # a later step already took these as placeholders
+            self.last_token[slots[last]] = tokens[last]
+        return self.num_tokens[slots] - pend
 
     # ------------------------------------------------------------------ checks
     def check(self, seqs: list[Sequence]) -> None:
@@ -97,7 +137,9 @@ class StateManager:
                 assert s not in held, f"slot {s} held twice"
                 held.add(s)
             if seq.slot >= 0:
-                assert self.num_tokens[seq.slot] == seq.num_tokens
+                s = seq.slot
+                assert self.num_tokens[s] - self.pending[s] == seq.num_tokens
+                assert self.owner[s] == seq.seq_id
         assert self.num_free == self.num_slots - len(held)
         for s in held:
             assert self.is_used(s)

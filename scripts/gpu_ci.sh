@@ -12,16 +12,17 @@
 #   4. engine tests on CUDA (compiled kernels, CUDA graphs, memory-sized KV cache)
 #   5. kernel benchmarks vs SDPA, FlexAttention and flash-attn (where installed)
 #   6. end-to-end throughput, nano-vllm's workload (256 requests, 100-1024 tokens in and
-#      out) on a random-weight model of Qwen3-0.6B's shapes
+#      out) on a random-weight model of Qwen3-0.6B's shapes, with overlapped scheduling
+#      on (the CUDA default) and off
 # Then it prints one table. Everything goes under $OUT: logs/ (step logs, junit xml,
 # compile table) and results/ (markdown + json that can be committed to
 # benchmarks/results/ as they are: cp "$OUT"/results/* benchmarks/results/).
 #
 # Expected time on an H200 box (16 cores), estimated from CPU measurements (not yet timed
-# on the GPU); the caps in brackets bound the whole run to 8 minutes:
+# on the GPU); the caps in brackets bound the whole run to 9 minutes:
 #   env ~5 s | compile grid ~60-90 s, in the background [300 s] | kernel tests ~60-100 s
 #   [120 s] | engine tests ~30-60 s [80 s] | kernel benchmarks ~60-100 s [110 s] |
-#   e2e ~70-120 s [130 s]  =>  about 4-6.5 minutes.
+#   e2e, two runs ~100-180 s [200 s]  =>  about 4.5-7.5 minutes.
 #
 # Does not assume the repo's venv: the GPU machine has torch + triton system-wide
 # ($PYTHON, else python / python3 from PATH). Exit status: 0 when every step passed.
@@ -150,12 +151,16 @@ e2e() {
         || "$PY" -m deepinfer.random_model --preset qwen3-0.6b --out "$MODEL_DIR" || return 1
     "$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --num-requests 256 \
         --min-len 100 --max-len 1024 --no-hf --name throughput-cuda || return 1
-    cp benchmarks/results/throughput-cuda.json benchmarks/results/throughput-cuda.md \
+    # The same with the plain loop: what overlapped scheduling buys.
+    "$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --num-requests 256 \
+        --min-len 100 --max-len 1024 --no-hf --no-async-scheduling \
+        --name throughput-cuda-sync || return 1
+    cp benchmarks/results/throughput-cuda*.json benchmarks/results/throughput-cuda*.md \
         "$OUT/results/"
 }
 export -f e2e
 export PY MODEL_DIR
-step e2e-throughput 130 bash -c e2e
+step e2e-throughput 200 bash -c e2e
 
 # The compile grid had the whole run to finish; its own timeout bounds this wait.
 wait "$COMPILE_PID"
@@ -224,11 +229,15 @@ def compile_headline():
 
 
 def e2e_headline():
-    path = os.path.join(results, "throughput-cuda.json")
-    if not os.path.exists(path):
-        return ""
-    d = json.load(open(path))["deepinfer"]
-    return f"{d['tok_per_s']:.0f} tok/s ({d['tokens']} tokens in {d['seconds']:.1f}s)"
+    parts = []
+    for name, label in (("throughput-cuda", "overlap on"),
+                        ("throughput-cuda-sync", "overlap off")):
+        path = os.path.join(results, name + ".json")
+        if os.path.exists(path):
+            d = json.load(open(path))["deepinfer"]
+            parts.append(f"{label}: {d['tok_per_s']:.0f} tok/s ({d['tokens']} tokens in "
+                         f"{d['seconds']:.1f}s)")
+    return "; ".join(parts)
 
 
 headlines = {

@@ -1,7 +1,10 @@
 """Test helpers: a fake model runner that checks every step's launch tensors against
-the sequences' tokens, and a driver loop."""
+the sequences' tokens, and driver loops (plain, and overlapped: step k+1 scheduled and
+run before step k's tokens reach the scheduler)."""
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -29,15 +32,24 @@ class FakeRunner:
       ``0..seq_len-1`` (prefix-cache hits, chunks, forks and COW copies included);
     - every sample's state slot holds exactly that sequence's tokens;
     - decode rows feed each sequence's last token at its last position.
+
+    Placeholder input ids (a token still in flight) are resolved from the runner's own
+    ``last_sampled`` by state slot, as the device does; the checks then compare against
+    the slot's recorded history (the sequence's tokens plus at most one in flight).
+    ``by_history``: each sampled token is a hash of its sequence's tokens so far, so the
+    outputs do not depend on how steps were batched or overlapped.
     """
 
-    def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0) -> None:
+    def __init__(self, sched: Scheduler, vocab: int = 50, seed: int = 0,
+                 by_history: bool = False) -> None:
         c = sched.config
         self.bs = c.block_size
         self.kv = np.full(c.num_blocks * c.block_size, -1, dtype=np.int64)
         self.state: dict[int, list[int] | None] = {}
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
+        self.by_history = by_history
+        self.last_sampled = np.full(c.max_num_seqs, -1, dtype=np.int64)
 
     def execute(self, out: SchedulerOutputs) -> list[int]:
         b = out.batch
@@ -57,7 +69,11 @@ class FakeRunner:
         fresh = set(out.zero_states.tolist())
         for s in fresh:
             self.state[s] = []
-        ids = b.input_ids.numpy()
+        ids = b.input_ids.numpy().copy()
+        ph = np.flatnonzero(ids < 0)
+        if ph.size:
+            assert not out.is_prompt, "placeholders only in decode steps"
+            ids[ph] = self.last_sampled[b.state_slots.numpy()[ph]]
         qsl = b.query_start_loc.tolist()
         slots = b.state_slots.tolist()
         # As the engine does: a new (or recomputed) sequence's state records its whole
@@ -73,7 +89,7 @@ class FakeRunner:
         lens = b.seq_lens.tolist()
         pos = b.positions.numpy()
         for i, seq in enumerate(out.seqs):
-            toks = tokens_of(seq)
+            toks = self.history(seq, slots[i])
             n = lens[i]
             q = qsl[i + 1] - qsl[i]
             assert pos[qsl[i]:qsl[i + 1]].tolist() == list(range(n - q, n))
@@ -83,14 +99,29 @@ class FakeRunner:
             if not out.is_prompt:
                 assert n == len(toks) and ids[i] == toks[-1]
         li = b.logits_indices.tolist()
+        sample_slots = b.sample_state_slots.tolist()
         for k, seq in enumerate(out.sample_seqs):
-            st = self.state[int(b.sample_state_slots[k])]
-            assert st == tokens_of(seq), f"seq {seq.seq_id}: state mismatch"
+            st = self.state[sample_slots[k]]
+            assert st == self.history(seq, sample_slots[k]), f"seq {seq.seq_id}: state"
             # The sampled row is the last fed token of that sequence.
-            assert ids[li[k]] == tokens_of(seq)[-1]
-        toks = self.sample(out.num_samples)
+            assert ids[li[k]] == st[-1]
+        if self.by_history:
+            toks = [zlib.crc32(np.asarray(self.state[s], dtype=np.int64).tobytes())
+                    % self.vocab for s in sample_slots]
+        else:
+            toks = self.sample(out.num_samples)
         for k, tok in enumerate(toks):
-            self.state[int(b.sample_state_slots[k])].append(tok)
+            self.state[sample_slots[k]].append(tok)
+            self.last_sampled[sample_slots[k]] = tok
+        return toks
+
+    def history(self, seq, slot: int) -> list[int]:
+        """The tokens ``seq`` has on the device: its own, plus the one still in flight
+        (recorded in its slot's state when sampled) if its step was not updated yet."""
+        toks = tokens_of(seq)
+        st = self.state.get(slot)
+        if st is not None and len(st) == len(toks) + 1 and st[:-1] == toks:
+            return st
         return toks
 
 
@@ -113,4 +144,28 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
         finished += sched.update(out, toks)
         if check:
             sched.check_invariants()
+    raise AssertionError("scheduler did not finish (livelock?)")
+
+
+def run_overlapped(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
+                   check: bool = True):
+    """As ``run_to_completion``, but step k+1 is scheduled and executed before step k's
+    tokens are applied (the engine's overlapped loop). Returns (finished, steps)."""
+    finished = []
+    steps = []
+    inflight = None
+    for _ in range(max_steps):
+        more = sched.has_unfinished()
+        if not more and inflight is None:
+            return finished, steps
+        nxt = None
+        if more:
+            out = sched.schedule()
+            steps.append(out.is_prompt)
+            nxt = (out, runner.execute(out))
+        if inflight is not None:
+            finished += sched.update(*inflight)
+            if check:
+                sched.check_invariants()
+        inflight = nxt
     raise AssertionError("scheduler did not finish (livelock?)")

@@ -403,8 +403,28 @@ def test_update_validates_sample_count():
     with pytest.raises(ValueError, match="sampled token ids"):
         s.update(out, [1, 2])
     s.update(out, torch.tensor([5]))
-    with pytest.raises(ValueError, match="latest schedule"):
+    with pytest.raises(ValueError, match="oldest schedule"):
         s.update(out, [5])
+
+
+def test_update_order_with_one_step_in_flight():
+    """Overlap: step k+1 is scheduled before step k is updated; updates go in order, and
+    a third schedule() before any update is refused."""
+    s = make()
+    s.add_request("a", [1, 2, 3], 5)
+    out1 = s.schedule()
+    out2 = s.schedule()  # decode over the placeholder of out1's sample
+    assert not out2.is_prompt and out2.batch.positions.tolist() == [3]
+    assert out2.batch.input_ids.tolist() == [-1]
+    with pytest.raises(RuntimeError, match="two steps"):
+        s.schedule()
+    with pytest.raises(ValueError, match="oldest schedule"):
+        s.update(out2, [6])
+    s.update(out1, [5])
+    s.check_invariants()
+    s.update(out2, [6])
+    s.check_invariants()
+    assert s.get_sequences("a")[0].output_token_ids == [5, 6]
 
 
 # ---------------------------------------------------------------- threads
