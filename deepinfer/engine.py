@@ -251,12 +251,13 @@ class LLMEngine:
                 more = keep_going()
                 if not more and inflight is None:
                     return
-                launched = self._launch() if more else None
-                if not overlap and launched is not None:
-                    inflight, launched = launched, None
-                if inflight is not None:
-                    done = self._complete(*inflight)
-                inflight = launched
+                if overlap:
+                    launched = self._launch() if more else None
+                    if inflight is not None:
+                        done = self._complete(*inflight)
+                    inflight = launched
+                else:
+                    done = self.step()
                 while done:
                     yield done.pop(0)
                 if on_step is not None:

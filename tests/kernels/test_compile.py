@@ -23,9 +23,10 @@ import pytest
 
 pytest.importorskip("triton")
 
+from kernels import compile_cases as cc_cases  # noqa: E402
 from kernels import compile_check as cc  # noqa: E402
 
-QUICK = cc.quick_cases()
+QUICK = cc_cases.quick_cases()
 FULL_ENABLED = os.environ.get("DEEPINFER_COMPILE_FULL", "") not in ("", "0")
 
 
@@ -41,16 +42,16 @@ def quick_verdicts() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
-def test_compiles_fits_and_does_not_spill(case: cc.Case, quick_verdicts) -> None:
+def test_compiles_fits_and_does_not_spill(case: cc_cases.Case, quick_verdicts) -> None:
     assert quick_verdicts[case.id] == []
 
 
 def test_quick_subset_covers_the_axes() -> None:
     """Every tile configuration (target x element size x head_dim) of prefill and decode,
     both decode paths, store_kv and a copy op are in the subset ``make test`` compiles."""
-    for arch in cc.ARCHS:
+    for arch in cc_cases.ARCHS:
         prefill = {(c.dtype, c.head_dim) for c in QUICK if c.op == "prefill" and c.arch == arch}
-        assert prefill == {(dt, d) for dt in cc.DTYPES for d in (64, 128, 256)}
+        assert prefill == {(dt, d) for dt in cc_cases.DTYPES for d in (64, 128, 256)}
         ops = {c.op for c in QUICK if c.arch == arch}
         assert {"decode", "decode_split", "store_kv", "clone_blocks"} <= ops
         decode = [c for c in QUICK if c.arch == arch and c.op.startswith("decode")]
@@ -66,28 +67,28 @@ def test_planning_matches_the_case() -> None:
     split + merge for decode_split, one per state tensor (two) for the state ops."""
     two = ("decode_split", "zero_states", "clone_states")
     for case in QUICK:
-        launches = cc.plan(case)
+        launches = cc_cases.plan(case)
         assert len(launches) == (2 if case.op in two else 1), case.id
 
 
 def test_verdict_rules() -> None:
     """What fails: a compile error, shared memory over the limit, a spill where the engine
     runs (fp32 on sm_80 may spill), a 16-bit attention kernel without tensor-core mma."""
-    fp32_80 = cc.Case("prefill", "sm_80", "fp32", 128)
-    bf16_80 = cc.Case("prefill", "sm_80", "bf16", 128)
-    fp32_90 = cc.Case("prefill", "sm_90", "fp32", 128)
-    ok = cc.KernelResult("x", "prefill_kernel", "", regs=200, stack=0, local=0,
+    fp32_80 = cc_cases.Case("prefill", "sm_80", "fp32", 128)
+    bf16_80 = cc_cases.Case("prefill", "sm_80", "bf16", 128)
+    fp32_90 = cc_cases.Case("prefill", "sm_90", "fp32", 128)
+    ok = cc_cases.KernelResult("x", "prefill_kernel", "", regs=200, stack=0, local=0,
                          shared=50_000, tensor_cores=True)
 
-    def problems(case: cc.Case, **changes: object) -> list[str]:
-        return dataclasses.replace(ok, **changes).problems(case, cc.ARCHS[case.arch])
+    def problems(case: cc_cases.Case, **changes: object) -> list[str]:
+        return dataclasses.replace(ok, **changes).problems(case, cc_cases.ARCHS[case.arch])
 
     assert problems(bf16_80) == []
     assert problems(fp32_80, stack=96) == []
     assert problems(fp32_90, stack=8)
     assert problems(bf16_80, local=4)
-    assert problems(bf16_80, shared=cc.ARCHS["sm_80"].max_shared + 1)
-    assert problems(fp32_90, shared=cc.ARCHS["sm_80"].max_shared + 1) == []  # fits sm_90
+    assert problems(bf16_80, shared=cc_cases.ARCHS["sm_80"].max_shared + 1)
+    assert problems(fp32_90, shared=cc_cases.ARCHS["sm_80"].max_shared + 1) == []  # fits sm_90
     assert problems(bf16_80, tensor_cores=False)
     assert problems(fp32_90, tensor_cores=False) == []
     assert problems(bf16_80, error="CompilationError: ...")
@@ -104,8 +105,8 @@ def test_parse_res_usage() -> None:
                     reason="full compile grid: `make compile-check` (DEEPINFER_COMPILE_FULL=1)")
 def test_full_grid() -> None:
     """Every configuration of the grid, plus a canary known to spill (the check must see it)."""
-    canary = cc.spill_canary()
-    cases = cc.full_cases() + [canary]
+    canary = cc_cases.spill_canary()
+    cases = cc_cases.full_cases() + [canary]
     results = cc.results_from_subprocess(cases, jobs=_jobs(os.cpu_count() or 1),
                                          timeout=3600)
     verdicts = cc.verdicts(cases, results)

@@ -1,0 +1,235 @@
+"""What the ahead-of-time compile check compiles: the targets (sm_80, sm_90), the op calls
+the engine makes on them (``Case``: op, dtype, head_dim, GQA, block size), one compiled
+kernel's result (``KernelResult``: registers, spills, shared memory, tensor cores, and why
+it fails the check), and ``plan``: a case's launches through the ops' own ``*_launches``
+planners on meta tensors (no GPU, no data). ``kernels.compile_check`` compiles them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.runtime import Launch, Target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A compile target and the device facts the launchers would read from it."""
+
+    name: str
+    capability: tuple[int, int]
+    num_sms: int  # drives the decode split choice (and so the merge kernel's S_PAD)
+    max_shared: int  # bytes per block, opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+    def target(self) -> Target:
+        return Target(self.capability, self.num_sms, interpret=False)
+
+
+ARCHS = {
+    "sm_90": Arch("sm_90", (9, 0), 132, 232_448),  # H100 SXM / H200: 227 KB
+    "sm_80": Arch("sm_80", (8, 0), 108, 166_912),  # A100: 163 KB
+}
+
+# Engine-like shapes: 8 KV heads (Qwen3-0.6B, Llama-3-8B), q heads = 8 * GQA.
+NUM_KV_HEADS = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op call the engine makes, on one target.
+
+    op: ``decode`` (unsplit: a large batch already fills the GPU), ``decode_split`` (one
+    long sequence: split-KV + merge), ``prefill``, ``store_kv`` (variant ``t1``: one token,
+    ``batch``: a decode batch), ``clone_blocks``, ``zero_states``, ``clone_states``.
+    """
+
+    op: str
+    arch: str
+    dtype: str
+    head_dim: int = 128
+    gqa: int = 1
+    block_size: int = 16
+    variant: str = ""
+
+    @property
+    def id(self) -> str:
+        parts = [self.op, self.arch, self.dtype, f"d{self.head_dim}", f"gqa{self.gqa}",
+                 f"bs{self.block_size}"]
+        return "-".join(parts + ([self.variant] if self.variant else []))
+
+    @property
+    def must_not_spill(self) -> bool:
+        """What the engine serves: 16-bit everywhere, fp32 on sm_90 (fp32 on sm_80 is only
+        compiled and reported)."""
+        return self.dtype != "fp32" or self.arch == "sm_90"
+
+    @property
+    def wants_tensor_cores(self) -> bool:
+        """16-bit attention must keep its ``tl.dot``s on the tensor cores."""
+        return self.op in ("decode", "decode_split", "prefill") and self.dtype != "fp32"
+
+
+@dataclass
+class KernelResult:
+    """One compiled kernel of a case (decode_split gives two: the split kernel, the merge)."""
+
+    case: str
+    kernel: str
+    config: str
+    regs: int = -1
+    stack: int = -1  # ptxas stack frame bytes per thread: spilled registers here
+    local: int = -1
+    shared: int = -1  # dynamic (Triton) + static bytes per block
+    tensor_cores: bool = False
+    error: str = ""
+    seconds: float = 0.0
+
+    def problems(self, case: Case, arch: Arch) -> list[str]:
+        """Why this result fails the check (empty: it passes)."""
+        if self.error:
+            return [f"{self.kernel}: compile error: {self.error}"]
+        out = []
+        if self.shared > arch.max_shared:
+            out.append(f"{self.kernel}: {self.shared} B shared memory > {arch.max_shared} B "
+                       f"on {arch.name}")
+        if case.must_not_spill and (self.stack > 0 or self.local > 0):
+            out.append(f"{self.kernel}: spills on {arch.name} ({self.regs} registers, "
+                       f"{self.stack} B stack, {self.local} B local) with {self.config}")
+        if case.wants_tensor_cores and self.kernel != "_merge_kernel" and not self.tensor_cores:
+            out.append(f"{self.kernel}: no tensor-core mma in the PTX ({self.config})")
+        return out
+
+
+# --- cases -----------------------------------------------------------------------------
+
+_ATTN_OPS = ("decode", "decode_split", "prefill")
+
+
+def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """The whole grid: head_dim 64/128/256 x GQA 1/4/8 x block size 16/32 x bf16/fp16/fp32
+    for decode (unsplit and split) and prefill, plus the engine's other block sizes (8, 64)
+    at GQA 4; store_kv and the copy ops per dtype."""
+    shapes = [(gqa, bs) for gqa in (1, 4, 8) for bs in (16, 32)] + [(4, 8), (4, 64)]
+    cases = []
+    for arch in archs:
+        for op, d, (gqa, bs), dt in itertools.product(
+                _ATTN_OPS, (64, 128, 256), shapes, DTYPES):
+            cases.append(Case(op, arch, dt, d, gqa, bs))
+        for d, bs, dt, variant in itertools.product((64, 128, 256), (16, 32), DTYPES,
+                                                    ("t1", "batch")):
+            cases.append(Case("store_kv", arch, dt, d, 1, bs, variant))
+        for dt in DTYPES:
+            cases.append(Case("clone_blocks", arch, dt, 128, 1, 16, "int64"))
+        for op, variant in itertools.product(("zero_states", "clone_states"),
+                                             ("int64", "int32")):
+            cases.append(Case(op, arch, "fp32", 128, 1, 16, variant))
+    return cases
+
+
+def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """A representative subset for ``make test`` (about a minute on 2 cores, cold cache).
+
+    Every tile configuration the launchers choose on each target: prefill (the kernel that
+    spilled) at every head_dim x dtype, decode at every head_dim for 16-bit and fp32 (its
+    tile depends on row bytes), split and unsplit; store_kv for one token and for a batch;
+    the copy kernel. GQA, block size and fp16/bf16 rotate across the cases (the full grid
+    covers every combination).
+    """
+    shapes = itertools.cycle([(4, 16), (8, 32), (1, 16), (4, 32)])
+    cases = []
+    for arch in archs:
+        for d, dt in itertools.product((64, 128, 256), DTYPES):
+            gqa, bs = next(shapes)
+            cases.append(Case("prefill", arch, dt, d, gqa, bs))
+        # Every decode tile (16-bit and fp32 at each head_dim), split and unsplit.
+        for d, (op, dt) in zip((64, 128, 256, 64, 128, 256),
+                               [("decode", "bf16"), ("decode_split", "fp16"),
+                                ("decode_split", "bf16"), ("decode_split", "fp32"),
+                                ("decode", "fp32"), ("decode", "fp32")]):
+            gqa, bs = next(shapes)
+            cases.append(Case(op, arch, dt, d, gqa, bs))
+        cases.append(Case("store_kv", arch, "bf16", 128, 1, 16, "t1"))
+        cases.append(Case("store_kv", arch, "fp32", 64, 1, 32, "batch"))
+        cases.append(Case("clone_blocks", arch, "bf16", 128, 1, 16, "int64"))
+        cases.append(Case("zero_states", arch, "fp32", 128, 1, 16, "int64"))
+    return cases
+
+
+def spill_canary(arch: str = "sm_90") -> Case:
+    """A configuration known to spill (the pre-fix fp32 prefill tile), to prove that the
+    check sees spills: planned with ``variant="canary"``."""
+    return Case("prefill", arch, "fp32", 64, 4, 16, "canary")
+
+
+# --- planning (meta tensors; no GPU, no data) ---------------------------------------------
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def plan(case: Case) -> list[Launch]:
+    """The launches the engine's call for ``case`` makes, via the ops' own planners."""
+    from kernels.cache_ops import clone_blocks_launches, state_launches
+    from kernels.decode_attention import decode_launches
+    from kernels.prefill_attention import prefill_kernel, prefill_launches
+    from kernels.store_kv import store_kv_launches
+
+    target = ARCHS[case.arch].target()
+    dtype = DTYPES[case.dtype]
+    d, bs, hkv = case.head_dim, case.block_size, NUM_KV_HEADS
+    hq = hkv * case.gqa
+    scale = d**-0.5
+    i32 = torch.int32
+
+    if case.op in ("decode", "decode_split"):
+        # Unsplit: 256 sequences of up to 4K tokens (256 * 8 programs cover every SM).
+        # Split: one 32K-token sequence, so the split heuristic picks many splits.
+        batch, context = (256, 4096) if case.op == "decode" else (1, 32768)
+        cache = _meta(batch * context // bs + 1, bs, hkv, d, dtype=dtype)
+        q = _meta(batch, hq, d, dtype=dtype)
+        launches = decode_launches(
+            q, cache, cache, _meta(batch, context // bs, dtype=i32), _meta(batch, dtype=i32),
+            torch.empty_like(q), scale, None, context, target)
+        want_split = case.op == "decode_split"
+        if (len(launches) > 1) != want_split:
+            raise AssertionError(f"{case.id}: the split heuristic chose {len(launches)} "
+                                 "launch(es); the case no longer covers what it names")
+        return launches
+    if case.op == "prefill":
+        # 4 prompts of 1K new tokens after a cached prefix, packed.
+        seqs, new, context = 4, 1024, 2048
+        cache = _meta(seqs * context // bs + 1, bs, hkv, d, dtype=dtype)
+        q = _meta(seqs * new, hq, d, dtype=dtype)
+        launches = prefill_launches(
+            q, cache, cache, _meta(seqs, context // bs, dtype=i32), _meta(seqs + 1, dtype=i32),
+            _meta(seqs, dtype=i32), torch.empty_like(q), scale, new, target)
+        if case.variant == "canary":
+            # The fp32 d=64 tile used before the per-target table: 560 B stack on sm_90.
+            (launch,) = launches
+            launch.kwargs.update(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+            assert launch.kernel is prefill_kernel
+        return launches
+    if case.op == "store_kv":
+        tokens = 1 if case.variant == "t1" else 256
+        k = _meta(tokens, hkv, d, dtype=dtype)
+        cache = _meta(4096, bs, hkv, d, dtype=dtype)
+        return store_kv_launches(k, torch.empty_like(k), cache, cache,
+                                 _meta(tokens, dtype=torch.int64), target)
+    index_dtype = getattr(torch, case.variant or "int64")
+    if case.op == "clone_blocks":
+        kv = _meta(28, 2, 4096, bs, hkv, d, dtype=dtype)  # [layers, K/V, blocks, bs, Hkv, D]
+        return clone_blocks_launches(kv, _meta(64, 2, dtype=index_dtype), target)
+    if case.op in ("zero_states", "clone_states"):
+        # The sampler's per-slot state: token counts (int32) and a seen-token mask (bool)
+        # over a 151,936-token vocabulary.
+        states = [_meta(256, 151_936, dtype=torch.int32), _meta(256, 151_936, dtype=torch.bool)]
+        idx = (_meta(8, dtype=index_dtype) if case.op == "zero_states"
+               else _meta(8, 2, dtype=index_dtype))
+        return state_launches(states, idx, case.op == "zero_states", target)
+    raise ValueError(f"unknown op {case.op!r}")
