@@ -2,14 +2,18 @@
 
 Public API::
 
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM()  # the embedded default model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    outs = llm.generate(["Is water wet?"], SamplingParams(
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
 """
 
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "EngineArgs"]

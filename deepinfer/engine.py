@@ -7,7 +7,9 @@ the one-engine and DP jobs drive it. With ``async_scheduling`` it keeps one step
 flight: step k+1 is scheduled and launched before step k's ids reach the host, so the
 host's work hides behind the device's (docs/scheduling.md, "Overlapped scheduling").
 ``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
-(disaggregated prefill/decode).
+(disaggregated prefill/decode). Constrained requests (``structured_outputs``) go through
+``deepinfer.structured.matchers``: held back until their grammar is compiled, masked
+each step, and run without overlap while any is live (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from deepinfer.model_runner import KVCacheSpec, ModelRunner, SampledTokens, Step
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import RequestState, SampleState, SequenceExport
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
 from scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
 
@@ -134,6 +137,7 @@ class LLMEngine:
         self.async_scheduling = (on_cuda if args.async_scheduling is None
                                  else args.async_scheduling)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         # Requests finished by a step completed while no one was iterating (drain closed
         # with a step in flight): handed out by the next step() or drain().
@@ -171,22 +175,31 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        self.scheduler.add_request(
-            request_id, list(prompt_token_ids), params.max_tokens, n=params.n,
-            stop_token_ids=sorted(stop_ids), min_tokens=params.min_tokens,
-        )
-        self.requests[request_id] = RequestState(
-            request_id, prompt, list(prompt_token_ids), params, frozenset(stop_ids)
-        )
+        req = RequestState(request_id, prompt, list(prompt_token_ids), params,
+                           frozenset(stop_ids))
+        if params.structured_outputs is not None:
+            # Parked until its grammar is compiled (_launch queues it then).
+            self.structured.add(request_id, params.structured_outputs, stop_ids)
+        else:
+            self._queue(req)
+        self.requests[request_id] = req
         self.stats.num_requests += 1
+
+    def _queue(self, req: RequestState) -> None:
+        """Hand a request to the scheduler (at once, or when its grammar is compiled)."""
+        p = req.params
+        self.scheduler.add_request(
+            req.request_id, list(req.prompt_token_ids), p.max_tokens, n=p.n,
+            stop_token_ids=sorted(req.stop_token_ids), min_tokens=p.min_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free what it holds; False if unknown or already finished."""
-        self._forget(self.requests.pop(request_id, None))
-        return self.scheduler.abort(request_id)
+        req = self.requests.pop(request_id, None)
+        self._forget(req)
+        return self.scheduler.abort(request_id) or req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.has_parked()
 
     # ------------------------------------------------------------------ hand-off (PD)
     def export_sequence(self, seq: Sequence) -> SequenceExport:
@@ -222,6 +235,9 @@ class LLMEngine:
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
                            frozenset(exp.stop_token_ids))
         self.requests[exp.request_id] = req
+        if params.structured_outputs is not None:
+            self.structured.add(exp.request_id, params.structured_outputs,
+                                exp.stop_token_ids, park=False)
         st = self._start_sample(req, seq)
         if st.logprobs is not None and exp.logprobs:
             st.logprobs.extend(exp.logprobs)
@@ -251,11 +267,13 @@ class LLMEngine:
                 more = keep_going()
                 if not more and inflight is None:
                     return
-                if overlap:
+                if overlap and not self.structured.live:
                     launched = self._launch() if more else None
                     if inflight is not None:
                         done = self._complete(*inflight)
                     inflight = launched
+                elif inflight is not None:  # constrained work: land the step first
+                    done, inflight = self._complete(*inflight), None
                 else:
                     done = self.step()
                 while done:
@@ -282,6 +300,8 @@ class LLMEngine:
 
     def _forget(self, req: RequestState | None) -> None:
         """Drop the per-token watch of a request's samples (finished, aborted, sent)."""
+        if req is not None and self.structured.live:
+            self.structured.forget(req.request_id)
         if req is not None and self._watched:
             for st in req.samples.values():
                 self._watched.pop(st.seq.seq_id, None)
@@ -333,9 +353,13 @@ class LLMEngine:
     def _launch(self) -> tuple[object, SampledTokens, float]:
         """Schedule a step and enqueue it on the device."""
         t0 = time.perf_counter()
+        if self.structured.live:
+            for rid in self.structured.take_ready(block=not self.scheduler.has_unfinished()):
+                self._queue(self.requests[rid])
         out = self.scheduler.schedule()
         sampling = self._step_sampling(out)
-        return out, self.runner.launch(out, sampling), t0
+        mask = self.structured.logits_mask(out.sample_seqs) if self.structured.live else None
+        return out, self.runner.launch(out, sampling, mask), t0
 
     def _complete(self, out, sampled: SampledTokens, t0: float) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and apply them; returns the requests
@@ -357,6 +381,9 @@ class LLMEngine:
         if self._watched:
             self._per_token_host_work(out.sample_seqs, token_ids, logprobs, finished_seqs,
                                       {s.seq_id for s in dropped})
+        if self.structured.live:
+            finished_seqs += self.structured.after_update(out.sample_seqs,
+                                                          self.scheduler.finish_sequence)
 
         done: list[RequestOutput] = []
         for seq in finished_seqs:

@@ -12,6 +12,7 @@ decode attention), computes logits for ``logits_indices`` only, and samples.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -24,6 +25,7 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingTable
+from deepinfer.structured.bitmask import TokenMask, apply_token_mask
 
 
 @dataclass
@@ -268,9 +270,14 @@ class ModelRunner:
         return self.launch(out, sampling).result()
 
     @torch.inference_mode()
-    def launch(self, out, sampling: StepSampling | None = None) -> SampledTokens:
+    def launch(self, out, sampling: StepSampling | None = None,
+               logits_mask: Callable[[], TokenMask | None] | None = None) -> SampledTokens:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
         without waiting for the device (logprobs, when asked for, are read at once).
+
+        ``logits_mask`` (structured output): called once the logits are enqueued, before
+        sampling; the ``TokenMask`` it returns is applied to those rows' logits on the
+        device (the host fills it while the device runs the forward).
 
         ``out`` is the scheduler's ``SchedulerOutputs`` of this step (borrowed: consumed
         before the next ``schedule()``). Its decode inputs may hold placeholders (-1)
@@ -300,6 +307,8 @@ class ModelRunner:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
             return SampledTokens(None, None)
         logits = self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
+        if logits_mask is not None:
+            logits = apply_token_mask(logits, logits_mask())
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
         token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,

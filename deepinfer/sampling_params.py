@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
 
@@ -47,6 +49,9 @@ class SamplingParams:
     - ``logprobs``: return the log-probabilities of the sampled token and the top ``k``
       (of the raw model distribution); None = off.
     - ``skip_special_tokens``: leave special tokens out of the text.
+    - ``structured_outputs``: a ``StructuredOutputsParams`` the output must match (JSON
+      schema, regex, choice, EBNF grammar, any JSON object); a mapping such as
+      ``{"regex": "[0-9]+"}`` is converted. None = unconstrained.
     """
 
     n: int = 1
@@ -65,8 +70,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(
+                self.structured_outputs)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -114,6 +123,10 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r}: must be an integer >= 0 or None")
         self._validate_stop()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={so!r}: must be a StructuredOutputsParams, "
+                             "a mapping such as {'regex': ...}, or None")
 
     def _validate_stop(self) -> None:
         stop = self.stop

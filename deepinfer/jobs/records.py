@@ -2,8 +2,10 @@
 
 Input: ``.txt`` (one prompt per line, blank lines skipped; the id is the line number) or
 ``.jsonl`` (objects with an optional ``id``, ``prompt`` or ``messages``, and optional
-sampling overrides, top level or under ``sampling_params``). A bad line becomes a record
-with ``error`` set, so that it fails alone. Output: ``{"id", "outputs": [...]}`` or
+sampling overrides, top level or under ``sampling_params``; structured output as
+``structured_outputs`` (``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``,
+``{"json": ...}``, ``{"json_object": true}``) or OpenAI's ``response_format``). A bad line
+becomes a record with ``error`` set, so that it fails alone. Output: ``{"id", "outputs": [...]}`` or
 ``{"id", "error"}``, written and flushed one line at a time.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, TextIO
 from tqdm.auto import tqdm
 
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured import StructuredOutputsParams
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 Messages = list[dict[str, str]]
@@ -81,12 +84,36 @@ def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
     ):
         return InputRecord(id=rid, error=f"line {lineno}: 'messages' must be a list of "
                                          "{'role', 'content'} objects")
-    overrides = dict(obj.get("sampling_params") or {})
+    overrides = obj.get("sampling_params") or {}
+    if not isinstance(overrides, dict):
+        return InputRecord(id=rid, error=f"line {lineno}: 'sampling_params' must be an "
+                                         "object")
+    overrides = dict(overrides)
     overrides.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
-    unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params"}
+    unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params",
+                                          "response_format"}
     if unknown:
         return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
+    try:
+        structured_overrides(overrides, obj.get("response_format"))
+    except ValueError as e:
+        return InputRecord(id=rid, error=f"line {lineno}: {e}")
     return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides)
+
+
+def structured_overrides(overrides: dict[str, Any], response_format: Any) -> None:
+    """Turn a line's ``structured_outputs`` object (in ``overrides``) or its
+    ``response_format`` into a ``StructuredOutputsParams`` in ``overrides``, in place.
+    ``ValueError`` naming the field for a bad value or when both are given."""
+    so = overrides.get("structured_outputs")
+    if so is not None:
+        overrides["structured_outputs"] = StructuredOutputsParams.from_dict(so)
+    if response_format is not None:
+        if so is not None:
+            raise ValueError("give 'structured_outputs' or 'response_format', not both")
+        fmt = StructuredOutputsParams.from_response_format(response_format)
+        if fmt is not None:
+            overrides["structured_outputs"] = fmt
 
 
 def mark_duplicates(pending: list[InputRecord]) -> None:

@@ -1,0 +1,205 @@
+"""Structured output cost: tokens/s of a JSON-schema batch against the same batch
+unconstrained, same run, same engine.
+
+The constrained run goes first (greedy, a nested schema with enums, bounded integers,
+maxLength strings and a maxItems array); each request's output length is then given to
+the unconstrained run as ``max_tokens`` with ``ignore_eos``, so both runs generate the
+same number of tokens per request over the same steps: the difference is the per-step
+cost of structured output (bitmask filled on the host for every row, applied to the
+logits, tokens fed to the matchers) plus, where the engine overlaps steps (CUDA), the
+overlap it gives up while a constrained request is live. Where overlap is on, a third
+row runs the unconstrained batch with overlap off, to split the two. Grammar compilation
+is warmed up first and reported on its own (cached by key after that). Rounds are
+interleaved and the median is reported.
+
+    python benchmarks/bench_structured.py                      # default model, batch 16 on CPU
+    python benchmarks/bench_structured.py --batch 64 --reps 3  # the issue's GPU case
+    python benchmarks/bench_structured.py --save               # results/structured-<device>.*
+
+The ``test_`` function at the bottom runs a tiny model through it (no timing assertion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from results_meta import git_commit, utc_now
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                   "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+}
+JOBS = ["airline pilot", "chef", "retired teacher", "programmer", "nurse", "farmer",
+        "painter", "firefighter"]
+
+
+def prompts_for(llm, batch: int) -> list[list[int]]:
+    """``batch`` chat prompts asking for a person as JSON (token ids)."""
+    from deepinfer.tokenizer import apply_chat_template
+
+    return [apply_chat_template(llm.tokenizer, [{
+        "role": "user",
+        "content": f"Describe person #{i}, a fictional {JOBS[i % len(JOBS)]}, as JSON."}])
+        for i in range(batch)]
+
+
+def timed(llm, prompts: list[list[int]], params) -> tuple[float, int, list]:
+    """Seconds, generated tokens and outputs of one ``generate`` call."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs), outs
+
+
+def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
+    """The figures of one configuration: compile (warm-up) seconds, then per mode the
+    median seconds and tokens/s over ``reps`` interleaved rounds, and how many
+    constrained outputs were complete, valid JSON (``finish_reason "stop"``)."""
+    from deepinfer import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=SCHEMA)
+    prompts = prompts_for(llm, batch)
+    t0 = time.perf_counter()
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2,
+                                             structured_outputs=so), use_tqdm=False)
+    warmup = time.perf_counter() - t0
+    constrained = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                  structured_outputs=so)] * batch
+    engine = llm.engine
+    overlap = engine.async_scheduling
+    modes = ["constrained", "unconstrained"] + (["unconstrained, no overlap"] if overlap
+                                                 else [])
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    tokens: dict[str, int] = {}
+    valid = 0
+    for r in range(reps):
+        dt, n, outs = timed(llm, prompts, constrained)
+        times["constrained"].append(dt)
+        tokens["constrained"] = n
+        if r == 0:
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            valid = sum(_valid(o.outputs[0]) for o in outs)
+        plain = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                 for m in lengths]
+        for mode in modes[1:]:
+            engine.async_scheduling = overlap and mode == "unconstrained"
+            try:
+                dt, n, _ = timed(llm, prompts, plain)
+            finally:
+                engine.async_scheduling = overlap
+            times[mode].append(dt)
+            tokens[mode] = n
+    rows = {m: {"seconds": statistics.median(times[m]), "tokens": tokens[m],
+                "tok_s": tokens[m] / statistics.median(times[m])} for m in modes}
+    return {"batch": batch, "max_tokens": max_tokens, "reps": reps,
+            "compile_warmup_s": warmup, "valid_outputs": valid, "modes": rows}
+
+
+def _valid(c) -> bool:
+    if c.finish_reason != "stop":
+        return False
+    try:
+        value = json.loads(c.text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(SCHEMA["required"]) <= set(value)
+
+
+def table_lines(res: dict) -> list[str]:
+    """The markdown table of ``measure``'s result."""
+    base = res["modes"]["unconstrained"]["tok_s"]
+    lines = [f"| mode (batch {res['batch']}) | tokens | seconds | tok/s | vs unconstrained |",
+             "|---|---|---|---|---|"]
+    for mode, r in res["modes"].items():
+        lines.append(f"| {mode} | {r['tokens']} | {r['seconds']:.2f} | {r['tok_s']:.1f} | "
+                     f"{r['tok_s'] / base - 1:+.1%} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2 GGUF)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batch", type=int, default=None, help="requests (16 CPU, 64 CUDA)")
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (median)")
+    ap.add_argument("--save", action="store_true",
+                    help="write benchmarks/results/structured-<device>.{json,md}")
+    args = ap.parse_args()
+    from deepinfer import LLM
+
+    llm = LLM(args.model, device=args.device)
+    device = llm.engine.device.type
+    batch = args.batch or (64 if device == "cuda" else 16)
+    res = measure(llm, batch, args.max_tokens, args.reps)
+    lines = table_lines(res)
+    note = (f"\n\nvalid JSON outputs: {res['valid_outputs']}/{batch}; grammar compile + "
+            f"first constrained request: {res['compile_warmup_s']:.2f} s; median of "
+            f"{args.reps} rounds; {torch.get_num_threads()} threads.")
+    print("\n".join(lines) + note)
+    if args.save:
+        name = "cuda" if device == "cuda" else "cpu"
+        meta = {"commit": git_commit(), "date": utc_now(), "device": device,
+                "device_name": (torch.cuda.get_device_name() if device == "cuda"
+                                else platform.processor() or platform.machine()),
+                "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "model": llm.engine.model_path}
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"structured-{name}.json").write_text(
+            json.dumps({**meta, "schema": SCHEMA, **res}, indent=2) + "\n")
+        head = (f"# Structured output cost ({meta['device_name']}, {device})\n\n"
+                f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
+                f"`python benchmarks/bench_structured.py --save`\n\n"
+                f"SmolLM2-135M-Instruct unless --model; greedy; JSON schema of "
+                f"benchmarks/bench_structured.py; the unconstrained rows generate the "
+                f"constrained run's lengths (ignore_eos).\n\n")
+        (RESULTS / f"structured-{name}.md").write_text(head + "\n".join(lines) + note + "\n")
+    return 0
+
+
+def test_bench_structured_smoke(tmp_path):
+    """A tiny random model through ``measure``: figures positive and finite, the
+    unconstrained run generates exactly the constrained run's tokens, every output is
+    complete, valid JSON (no timing assertion)."""
+    from bench_host import make_tiny_checkpoint
+
+    from deepinfer import LLM
+
+    llm = LLM(make_tiny_checkpoint(str(tmp_path)), dtype="float32", device="cpu",
+              max_num_seqs=4, kv_cache_memory=16 << 20)
+    res = measure(llm, batch=3, max_tokens=400, reps=1)
+    modes = res["modes"]
+    assert set(modes) == {"constrained", "unconstrained"}  # CPU: no overlap by default
+    assert modes["constrained"]["tokens"] == modes["unconstrained"]["tokens"] > 0
+    for r in modes.values():
+        assert math.isfinite(r["tok_s"]) and r["tok_s"] > 0
+    assert res["valid_outputs"] == 3
+    assert len(table_lines(res)) == 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Grammars with xgrammar: the tokenizer's vocabulary as xgrammar sees it, a request's
+constraint as an ``xgrammar.Grammar``, and compiled grammars cached by key and compiled
+in a thread pool.
+
+Two stages, on purpose:
+
+- ``build_grammar`` turns a ``StructuredOutputsParams`` into a grammar (schema -> EBNF,
+  regex -> EBNF, EBNF parsing). It takes well under a millisecond and is where an
+  unsupported schema or a regex that does not compile fails, so the engine runs it in
+  ``add_request`` and a bad request fails alone, with a ``ValueError``.
+- ``GrammarCache.compile`` builds the token-mask tables of a grammar against the whole
+  vocabulary (milliseconds to seconds for big schemas): a ``Future`` from a thread pool
+  (xgrammar releases the GIL), one per distinct key, so the step loop never waits for it
+  while it has other work.
+
+xgrammar is imported on first use: engines that never see a constrained request do not
+pay its import.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from threading import Lock
+from typing import Any
+
+from deepinfer.structured.params import StructuredOutputsParams, schema_of
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:NNN: ": noise for a user.
+_LOCATION = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+# xgrammar (0.2.9) writes the characters of a length-bounded JSON string (minLength /
+# maxLength) as [^"\\\r\n] (EBNF text): raw control characters pass, which JSON
+# forbids (json.loads rejects them; seen with sampled outputs). Replaced by what its
+# unbounded strings use, with the C0 range excluded.
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:
+    """The ``xgrammar.TokenizerInfo`` of a transformers fast tokenizer for a model with
+    ``vocab_size`` logits. Special (control) tokens are blanked out of the vocabulary,
+    so a grammar never emits them as text (they would vanish from the decoded output
+    with ``skip_special_tokens``); ``stop_token_ids`` (EOS) stay the grammar's end."""
+    import xgrammar as xgr
+
+    stops = sorted(set(stop_token_ids)) or None
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stops)
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, t in decoder.items() if getattr(t, "special", False)}
+    if not special:
+        return base
+    vocab = [""] * vocab_size
+    for text, i in tokenizer.get_vocab().items():
+        if i < vocab_size and i not in special:
+            vocab[i] = text
+    return xgr.TokenizerInfo(vocab, base.vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=stops or base.stop_token_ids,
+                             add_prefix_space=base.add_prefix_space)
+
+
+def choice_ebnf(choices: Iterable[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are
+    also xgrammar's EBNF escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def build_grammar(so: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` of ``so``. Raises ``ValueError`` naming the field when the
+    schema is not supported, the regex or the EBNF does not parse."""
+    import xgrammar as xgr
+
+    kind = so.kind
+    try:
+        if kind == "json":
+            g = xgr.Grammar.from_json_schema(json.dumps(schema_of(so.json)),
+                                             any_whitespace=so.any_whitespace)
+            text = str(g)
+            if _BOUNDED_CHAR in text:
+                g = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHAR, _JSON_CHAR))
+            return g
+        if kind == "json_object":
+            # Not strict: any keys, any values (strict mode forbids unlisted keys).
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                any_whitespace=so.any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(so.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(so.choice))
+        return xgr.Grammar.from_ebnf(so.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        msg = _LOCATION.sub("", lines[0] if lines else type(e).__name__)
+        raise ValueError(f"structured_outputs.{kind}: {msg}") from e
+
+
+class GrammarCache:
+    """Compiled grammars by ``StructuredOutputsParams.cache_key``, compiled in a thread
+    pool (``workers`` threads) against ``info`` (an ``xgrammar.TokenizerInfo``). The same
+    key asked twice shares one compilation, finished or not; at most ``max_entries``
+    are kept (the least recently asked finished ones go first)."""
+
+    def __init__(self, info: Any, workers: int = 2, max_entries: int = 256) -> None:
+        import xgrammar as xgr
+
+        self.info = info
+        self.max_entries = max_entries
+        # xgrammar's own cache off: this one is keyed by request parameters and also
+        # shares compilations still running.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=workers,
+                                             cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=workers,
+                                        thread_name_prefix="deepinfer-grammar")
+        self._futures: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        self._lock = Lock()
+
+    def compile(self, so: StructuredOutputsParams) -> Future:
+        """A ``Future`` of ``so``'s ``xgrammar.CompiledGrammar``. A key not seen before is
+        built here (``build_grammar``: ``ValueError`` for a bad schema/regex/EBNF) and
+        compiled in the pool."""
+        key = so.cache_key()
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is not None:
+                self._futures.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compiler.compile_grammar, build_grammar(so))
+            self._futures[key] = fut
+            if len(self._futures) > self.max_entries:
+                old = next((k for k, f in self._futures.items() if f.done()), None)
+                if old is not None:
+                    del self._futures[old]
+            return fut
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def close(self) -> None:
+        """Stop the pool (running compilations finish first)."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,217 @@
+"""Structured-output parts below the engine: ``StructuredOutputsParams`` validation, the
+jsonl fields, grammar building with xgrammar (errors name the field), the compile cache,
+and the tokenizer's vocabulary as xgrammar sees it (the default model's GGUF tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import pytest
+
+from deepinfer import SamplingParams, StructuredOutputsParams
+from deepinfer.jobs.records import parse_jsonl_line
+from deepinfer.structured.grammar import GrammarCache, build_grammar, tokenizer_info
+
+SO = StructuredOutputsParams
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+# ------------------------------------------------------------------ params
+@pytest.mark.parametrize("kwargs, field", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"json_object": False}, "exactly one of"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"regex": 5}, "structured_outputs.regex"),
+    ({"grammar": None, "choice": []}, "structured_outputs.choice"),
+    ({"choice": ["a", ""]}, "structured_outputs.choice"),
+    ({"choice": "ab"}, "structured_outputs.choice"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": "[1, 2]"}, "structured_outputs.json"),
+    ({"json": [1]}, "structured_outputs.json"),
+    ({"json_object": 1}, "structured_outputs.json_object"),
+    ({"json_object": True, "any_whitespace": "yes"}, "structured_outputs.any_whitespace"),
+])
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        SO(**kwargs)
+
+
+def test_kind_key_and_dict_forms():
+    assert SO(json=SCHEMA).kind == "json"
+    assert SO(json_object=True).kind == "json_object"
+    # A schema dict and the same schema as a string (other key order) share a key.
+    assert SO(json=SCHEMA).cache_key() == SO(json=json.dumps(SCHEMA, indent=2)).cache_key()
+    assert SO(json=SCHEMA).cache_key() != SO(json=SCHEMA, any_whitespace=True).cache_key()
+    assert SO(choice=["a", "b"]).cache_key() != SO(choice=["b", "a"]).cache_key()
+    assert SO.from_dict({"regex": "[0-9]+"}) == SO(regex="[0-9]+")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['pattern'\]"):
+        SO.from_dict({"pattern": "x"})
+    with pytest.raises(ValueError, match="structured_outputs: expected an object"):
+        SO.from_dict(["regex"])
+
+
+def test_sampling_params_field():
+    sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert sp.structured_outputs == SO(choice=["yes", "no"])
+    # to_dict / from_dict round trip (PD hand-off, records).
+    again = SamplingParams.from_dict(sp.to_dict())
+    assert again.structured_outputs == sp.structured_outputs
+    assert sp.replace(temperature=0.5).structured_outputs == sp.structured_outputs
+    with pytest.raises(ValueError, match="structured_outputs="):
+        SamplingParams(structured_outputs="json")
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice"):
+        SamplingParams(structured_outputs={"choice": []})
+
+
+def test_response_format():
+    assert SO.from_response_format({"type": "text"}) is None
+    assert SO.from_response_format({"type": "json_object"}) == SO(json_object=True)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    assert SO.from_response_format(rf) == SO(json=SCHEMA)
+    for bad, msg in [({"type": "xml"}, r"response_format\.type='xml'"),
+                     ({"json_schema": {}}, "with a 'type'"),
+                     ({"type": "json_schema"}, r"response_format\.json_schema"),
+                     ({"type": "json_schema", "json_schema": {"schema": "[]"}},
+                      r"response_format\.json_schema\.schema")]:
+        with pytest.raises(ValueError, match=msg):
+            SO.from_response_format(bad)
+
+
+# ------------------------------------------------------------------ jsonl fields
+def _line(**obj) -> str:
+    return json.dumps({"prompt": "hi", **obj})
+
+
+def test_jsonl_structured_fields():
+    rec = parse_jsonl_line(_line(structured_outputs={"regex": "[a-z]+"}), 1)
+    assert rec.error is None and rec.overrides["structured_outputs"] == SO(regex="[a-z]+")
+    rec = parse_jsonl_line(_line(sampling_params={"structured_outputs": {"choice": ["a"]},
+                                                  "temperature": 0}), 2)
+    assert rec.error is None and rec.overrides["structured_outputs"] == SO(choice=["a"])
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    rec = parse_jsonl_line(_line(response_format=rf), 3)
+    assert rec.error is None and rec.overrides["structured_outputs"] == SO(json=SCHEMA)
+    rec = parse_jsonl_line(_line(response_format={"type": "json_object"}), 4)
+    assert rec.overrides["structured_outputs"] == SO(json_object=True)
+    rec = parse_jsonl_line(_line(response_format={"type": "text"}), 5)
+    assert rec.error is None and "structured_outputs" not in rec.overrides
+
+
+@pytest.mark.parametrize("obj, msg", [
+    ({"structured_outputs": {"choice": "yes"}}, r"line 7: structured_outputs\.choice"),
+    ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "line 7: structured_outputs: "
+                                                             "exactly one"),
+    ({"structured_outputs": "json"}, "line 7: structured_outputs: expected an object"),
+    ({"response_format": {"type": "json_schema"}}, r"line 7: response_format\.json_schema"),
+    ({"response_format": "json"}, "line 7: response_format: expected an object"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "line 7: give 'structured_outputs' or 'response_format', not both"),
+    ({"sampling_params": [1]}, "line 7: 'sampling_params' must be an object"),
+])
+def test_jsonl_bad_structured_fields_fail_the_line(obj, msg):
+    rec = parse_jsonl_line(_line(**obj), 7)
+    assert rec.error is not None and rec.error.startswith("line 7")
+    assert re.search(msg, rec.error), rec.error
+
+
+# ------------------------------------------------------------------ xgrammar
+@pytest.mark.parametrize("so, field, words", [
+    (SO(regex="((("), "regex", "parenthesis"),
+    (SO(regex="(?=a)b"), "regex", "Lookahead"),
+    (SO(json={"type": "integer", "minimum": 5, "maximum": 1}), "json", "minimum"),
+    (SO(json={"$ref": "#/definitions/x"}), "json", "definitions"),
+    (SO(json={"type": "foo"}), "json", "foo"),
+    (SO(grammar="root ::= foo"), "grammar", "foo"),
+    (SO(grammar="root ::= \"a"), "grammar", ""),
+])
+def test_build_grammar_errors_name_the_field(so, field, words):
+    with pytest.raises(ValueError) as e:
+        build_grammar(so)
+    msg = str(e.value)
+    assert msg.startswith(f"structured_outputs.{field}: ") and words in msg, msg
+    assert ".cc:" not in msg  # the C++ source location is stripped
+
+
+@pytest.fixture(scope="module")
+def info(smollm2_tokenizer):
+    return tokenizer_info(smollm2_tokenizer, 49152, [2])
+
+
+def test_tokenizer_info_matches_the_tokenizer(info, smollm2_tokenizer):
+    import xgrammar as xgr
+
+    tok = smollm2_tokenizer
+    assert info.vocab_size == 49152 and info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    assert info.stop_token_ids == [2]
+    vocab = info.decoded_vocab
+    # Every token's bytes, concatenated, give back the text (spaces, UTF-8, emoji, code).
+    text = 'Héllo, wörld! {"a": [1, 2.5e-3]}\n\tdef f(x):  return x ** 2  # 😀 日本語'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(vocab[i] for i in ids) == text.encode("utf-8")
+    for i in range(0, 49152, 97):
+        if i not in tok.all_special_ids and "\ufffd" not in tok.decode([i]):
+            assert vocab[i].decode("utf-8") == tok.decode([i]), i
+    # Control tokens (<|im_start|>, ...) are never text to a grammar.
+    special = [i for i, t in tok.added_tokens_decoder.items() if t.special]
+    assert special and all(vocab[i] == b"" for i in special)
+    assert set(special) - {2} <= set(info.special_token_ids)
+
+
+def test_choice_escaping_and_matcher(info):
+    import xgrammar as xgr
+
+    choices = ['say "hi"', "back\\slash", "two\nlines", "émoji 😀", "a"]
+    cache = GrammarCache(info)
+    try:
+        compiled = cache.compile(SO(choice=choices)).result(timeout=60)
+        for c in choices:
+            m = xgr.GrammarMatcher(compiled)
+            assert m.accept_string(c) and m.is_completed(), c
+        m = xgr.GrammarMatcher(compiled)
+        assert not m.accept_string("z")
+    finally:
+        cache.close()
+
+
+def test_grammar_cache_shares_compilations(info):
+    cache = GrammarCache(info, max_entries=2)
+    try:
+        f1 = cache.compile(SO(json=SCHEMA))
+        assert isinstance(f1, Future)
+        assert cache.compile(SO(json=json.dumps(SCHEMA))) is f1  # same key, one future
+        f2 = cache.compile(SO(regex="[0-9]{3}"))
+        assert f2 is not f1
+        f1.result(timeout=60)
+        f2.result(timeout=60)
+        f3 = cache.compile(SO(choice=["x"]))  # over max_entries: the oldest done goes
+        assert len(cache) == 2 and cache.compile(SO(choice=["x"])) is f3
+        assert cache.compile(SO(json=SCHEMA)) is not f1
+        with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+            cache.compile(SO(regex="((("))
+        assert len(cache) == 2
+    finally:
+        cache.close()
+
+
+def test_bounded_json_strings_exclude_control_characters(info):
+    """xgrammar 0.2.9 lets raw control characters into minLength/maxLength strings
+    (invalid JSON); ``build_grammar`` closes that hole."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}},
+              "required": ["s"]}
+    cache = GrammarCache(info)
+    try:
+        compiled = cache.compile(SO(json=schema)).result(timeout=60)
+    finally:
+        cache.close()
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string('{"s": "ab') and not m.accept_string("\x0b")
+    assert m.accept_string('é"}') and m.is_completed()
+    # Not more than 4 characters (code points, as jsonschema counts them).
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string('{"s": "éééé') and not m.accept_string("é")
