@@ -18,8 +18,8 @@ from deepinfer.distributed.pd import parse_pd
 from deepinfer.distributed.pd_jobs import pd_job_rank
 from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_size
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
-from deepinfer.jobs.records import read_inputs
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deepinfer-generate", description="Offline batch generation with deepinfer."
     )
-    p.add_argument("--input", required=True, help=".txt (one prompt per line) or .jsonl")
+    p.add_argument("--input", required=True, help=".txt (one prompt per line) or .jsonl "
+                   "(deepinfer's records, or an OpenAI batch file)")
     p.add_argument("--output", required=True, help=".jsonl; appended to, and resumed from")
     add_engine_flags(p)
     s = p.add_argument_group("default sampling (per-record values override them)")
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=1)
     j = p.add_argument_group("job")
     j.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
+    j.add_argument("--format", choices=FORMATS, default="auto",
+                   help="input/output format (auto: OpenAI batch when the first line has "
+                   "custom_id and body)")
     j.add_argument("--show", action="store_true", help="print each result when done")
     j.add_argument("--no-progress", action="store_true")
     j.add_argument("--dp", type=int, default=1,
@@ -100,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         default_params = default_sampling_params(args)
         engine_args = engine_args_from(args)
         engine_args.validate()
-        inputs = list(read_inputs(args.input))
+        inputs, fmt = open_job(args.input, args.format, engine_args.model)
+        if fmt is not NATIVE:
+            warn_other_models(args.input, engine_args.model)
         if args.dp < 1:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
         if args.dp_timeout <= 0:
@@ -127,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
                       (args, engine_args, default_params, num_prompt))
     if args.dp > 1 or world > 1:
         return launch(dp_rank, args.dp, (args, engine_args, default_params))
-    return run_one_engine(args, engine_args, default_params, inputs)
+    return run_one_engine(args, engine_args, default_params, inputs, fmt)

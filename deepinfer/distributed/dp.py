@@ -30,13 +30,7 @@ from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.parts import input_order, part_path
 from deepinfer.jobs.progress import RunProgress
-from deepinfer.jobs.records import (
-    InputRecord,
-    result_record,
-    show_result,
-    submit_records,
-    write_record,
-)
+from deepinfer.jobs.records import InputRecord, show_result, submit_records, write_record
 from deepinfer.jobs.resume import load_resume_state, pending_records
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.sampling_params import SamplingParams
@@ -47,23 +41,24 @@ def dp_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     """One rank of a DP ``deepinfer-generate`` run (spawned, or under torchrun); returns
     the run's exit status (the same on every rank). Raises ``RankFailedError`` when a
     collective fails."""
-    from deepinfer.jobs.records import read_inputs
+    from deepinfer.jobs.formats import open_job
 
     device = select_device(args.device, info.local_rank)
-    inputs = list(read_inputs(args.input))
+    inputs, fmt = open_job(args.input, getattr(args, "format", "auto"), engine_args.model)
     return run_in_group(info, device, args.dp_timeout, _dp_body, info, args,
-                        dataclasses.replace(engine_args, device=device), default_params, inputs)
+                        dataclasses.replace(engine_args, device=device), default_params, inputs,
+                        fmt)
 
 
 def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
-             default_params: SamplingParams, inputs: list[InputRecord]) -> int:
+             default_params: SamplingParams, inputs: list[InputRecord], fmt: Any) -> int:
     rank0 = info.rank == 0
     cdev = comm_device(engine_args.device)
     # Rank 0 alone touches the output before the run (folds leftover parts, cuts a torn
     # line), then tells the others what is done so that all split the same pending list.
     payload: list[Any] = [None]
     if rank0:
-        payload = [sorted(load_resume_state(args.output, inputs))]
+        payload = [sorted(load_resume_state(args.output, inputs, fmt.final))]
     dist.broadcast_object_list(payload, src=0)
     pending = pending_records(inputs, set(payload[0]), args.output, announce=rank0)
     if not pending:
@@ -75,7 +70,7 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     st = engine.stats
     # Created even when empty: rank 0 checks that it can see every rank's part file.
     with open(part_path(args.output, info.rank), "a", encoding="utf-8") as out:
-        prompts, failed = submit_records(engine, mine, default_params, args.chat, out)
+        prompts, failed = submit_records(engine, mine, default_params, args.chat, out, fmt)
         (total_ok,) = allreduce_ints([len(prompts)], cdev)
         bar = RunProgress(total_ok, f"generate (dp={info.world_size})",
                           disable=args.no_progress or not rank0)
@@ -91,7 +86,7 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
             return bool(unfinished)
 
         for res in engine.drain(keep_going=group_has_work):  # empty steps without work
-            write_record(out, result_record(res))
+            write_record(out, fmt.result(res))
             finished += 1
             if args.show:
                 show_result(res.request_id, prompts[res.request_id], res.outputs[0].text,

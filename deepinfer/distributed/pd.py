@@ -42,7 +42,7 @@ from deepinfer.distributed.ranks import RankInfo, comm_device
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.parts import part_path
-from deepinfer.jobs.records import error_record, result_record, write_record
+from deepinfer.jobs.records import NATIVE, write_record
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
@@ -69,11 +69,13 @@ class PDOptions:
     """``max_offers``: K, sequences one PROMPT rank may hand off per round.
     ``max_pending``: a PROMPT rank runs no prefill step while this many sequences wait to
     be handed off (None: its ``max_num_seqs``). ``timeout_s``: bound on every collective
-    (a dead peer fails the run instead of hanging it)."""
+    (a dead peer fails the run instead of hanging it). ``output_format``: the lines
+    written (``records.NATIVE``, or a ``jobs.openai_batch.OpenAIFormat``)."""
 
     max_offers: int = 16
     max_pending: int | None = None
     timeout_s: float = 1800.0
+    output_format: Any = NATIVE
 
 
 def parse_pd(spec: str) -> tuple[int, int]:
@@ -165,6 +167,7 @@ class PDRounds:
         self.k = options.max_offers
         self.max_pending = options.max_pending or self.sched.config.max_num_seqs
         self.part = part
+        self.fmt = options.output_format
         self.stats: dict[str, Any] = {"rank": rank, "role": "prompt" if self.is_prompt
                                       else "completion", "rounds": 0, "handed_off": 0,
                                       "received": 0, "max_pending": 0, "steps": 0,
@@ -178,7 +181,7 @@ class PDRounds:
 
     def _write(self, rec: dict[str, Any]) -> None:
         write_record(self.out, rec)  # flushed: a killed run leaves whole records
-        if "error" in rec:
+        if rec.get("error") is not None:
             self.stats["errors"] += 1
 
     def _gather(self, row: list[int]) -> list[list[int]]:
@@ -209,7 +212,7 @@ class PDRounds:
                             f"rank has that many ({max_blocks} blocks, {max_len} positions)")
                 eng.add_request(r.request_id, r.prompt, ids, r.params)
             except ValueError as e:
-                self._write(error_record(r.request_id, str(e)))
+                self._write(self.fmt.error(r.request_id, str(e)))
 
     # ------------------------------------------------------------------ loop
     def run(self, requests: list[PDRequest]) -> dict[str, Any]:
@@ -255,7 +258,7 @@ class PDRounds:
             done = eng.step()
         self.stats["steps"] += 1
         for res in done:  # PROMPT side: requests that ended at their first token
-            self._write(result_record(res))
+            self._write(self.fmt.result(res))
 
     def _status(self) -> list[int]:
         row = [0] * (5 + self.k)

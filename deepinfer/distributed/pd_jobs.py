@@ -28,8 +28,9 @@ from deepinfer.distributed.ranks import (
     spawn_ranks,
 )
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.formats import open_job
 from deepinfer.jobs.parts import input_order, merge_outputs, part_path
-from deepinfer.jobs.records import InputRecord, queue_records, read_inputs, show_result
+from deepinfer.jobs.records import NATIVE, InputRecord, queue_records, show_result
 from deepinfer.jobs.resume import load_resume_state, pending_records
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.sampling_params import SamplingParams
@@ -92,7 +93,8 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
 
 # ====================================================================== the CLI
 def pd_requests(pending: list[InputRecord], args: argparse.Namespace,
-                default_params: SamplingParams) -> tuple[list[PDRequest], int]:
+                default_params: SamplingParams, fmt: Any = NATIVE
+                ) -> tuple[list[PDRequest], int]:
     """``PDRequest``s of the good records; the others (bad line, invalid sampling values,
     n > 1) are appended to ``args.output`` as error records at once. Returns the requests
     and the number of error records. Checks that need the tokenizer or the engines'
@@ -104,7 +106,7 @@ def pd_requests(pending: list[InputRecord], args: argparse.Namespace,
         requests.append(PDRequest(rec.id, prompt=prompt, messages=messages, params=sp))
 
     with open(args.output, "a", encoding="utf-8") as out:
-        failed = queue_records(pending, default_params, args.chat, out, accept)
+        failed = queue_records(pending, default_params, args.chat, out, accept, fmt)
     return requests, failed
 
 
@@ -124,18 +126,21 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
     rank0 = info.rank == 0
     payload: list[Any] = [None]
     if rank0:
-        inputs = list(read_inputs(args.input))
-        pending = pending_records(inputs, load_resume_state(args.output, inputs),
+        inputs, fmt = open_job(args.input, getattr(args, "format", "auto"),
+                               engine_args.model)
+        pending = pending_records(inputs, load_resume_state(args.output, inputs, fmt.final),
                                   args.output)
-        requests, failed = pd_requests(pending, args, default_params) if pending else ([], 0)
-        payload = [(requests, failed, input_order(r.id for r in inputs))]
+        requests, failed = (pd_requests(pending, args, default_params, fmt) if pending
+                            else ([], 0))
+        payload = [(requests, failed, input_order(r.id for r in inputs), fmt)]
     dist.broadcast_object_list(payload, src=0)
-    requests, failed, order = payload[0]
+    requests, failed, order, fmt = payload[0]
     stats: list[dict[str, Any]] = []
     if requests:
         mine = split_requests(requests, num_prompt, info.world_size)[info.rank]
         own = pd_worker(info, device, num_prompt, engine_args, engine_args, mine,
-                        args.output, PDOptions(timeout_s=args.dp_timeout))
+                        args.output, PDOptions(timeout_s=args.dp_timeout,
+                                               output_format=fmt))
         stats = [{} for _ in range(info.world_size)]
         # Also the point after which every part file is complete and closed.
         dist.all_gather_object(stats, own)

@@ -9,10 +9,11 @@ import sys
 
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.parts import input_order, merge_outputs
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.records import (
+    NATIVE,
     InputRecord,
-    result_record,
     show_result,
     submit_records,
     write_record,
@@ -23,16 +24,20 @@ from deepinfer.sampling_params import SamplingParams
 
 
 def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
-                   default_params: SamplingParams, inputs: list[InputRecord]) -> int:
+                   default_params: SamplingParams, inputs: list[InputRecord],
+                   fmt=NATIVE) -> int:
     """Run ``inputs`` not yet in ``args.output``; returns the exit status (1 when a record
-    failed). ``args``: ``output``, ``chat``, ``show``, ``no_progress``."""
-    done = load_resume_state(args.output, inputs)
+    failed). ``args``: ``output``, ``chat``, ``show``, ``no_progress``. ``fmt``: the output
+    lines (``NATIVE``, or ``OpenAIFormat``: then the file is put in input order at the
+    end, as DP runs are)."""
+    done = load_resume_state(args.output, inputs, fmt.final)
     pending = pending_records(inputs, done, args.output)
     if not pending:
         return 0
     engine = LLMEngine(engine_args)
     with open(args.output, "a", encoding="utf-8") as out:
-        prompts, failed = submit_records(engine, pending, default_params, args.chat, out)
+        prompts, failed = submit_records(engine, pending, default_params, args.chat, out,
+                                         fmt)
         bar = RunProgress(len(prompts), disable=args.no_progress)
         st = engine.stats
         finished = 0
@@ -41,11 +46,13 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
             bar.update(finished, st.prompt_tokens, st.generated_tokens)
 
         for res in engine.drain(on_step=progress):
-            write_record(out, result_record(res))
+            write_record(out, fmt.result(res))
             finished += 1
             if args.show:
                 show_result(res.request_id, prompts[res.request_id], res.outputs[0].text)
         bar.close()
+    if fmt is not NATIVE:
+        merge_outputs(args.output, input_order(r.id for r in inputs), [])
     summary = RunSummary.of_engine(engine, len(prompts), failed, bar.elapsed())
     print(summary.format(), file=sys.stderr)
     return 1 if failed else 0

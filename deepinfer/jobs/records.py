@@ -36,6 +36,8 @@ class InputRecord:
     messages: Messages | None = None
     overrides: dict[str, Any] | None = None
     error: str | None = None
+    custom_id: str | None = None  # OpenAI batch format: the line's custom_id
+    api: str | None = None  # OpenAI batch format: "chat" or "completion"
 
     @property
     def shown_prompt(self) -> str | Messages | None:
@@ -138,10 +140,12 @@ def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
 
 
 def queue_records(records: list[InputRecord], default_params: SamplingParams, chat: bool,
-                  out: TextIO, accept: Callable[..., None]) -> int:
+                  out: TextIO, accept: Callable[..., None], fmt: Any = None) -> int:
     """Resolve each record and pass it to ``accept(rec, params, prompt, messages)``; a bad
     record (its line, its sampling values, or a ``ValueError`` from ``accept``) is written
-    to ``out`` as an error record instead. Returns the number of error records."""
+    to ``out`` as an error line of ``fmt`` (default ``NATIVE``) instead. Returns the
+    number of error records."""
+    fmt = fmt or NATIVE
     failed = 0
     for rec in records:
         error = rec.error
@@ -152,12 +156,12 @@ def queue_records(records: list[InputRecord], default_params: SamplingParams, ch
                 error = str(e)
         if error is not None:
             failed += 1
-            write_record(out, error_record(rec.id, error))
+            write_record(out, fmt.error(rec.id, error))
     return failed
 
 
 def submit_records(engine, records: list[InputRecord], default_params: SamplingParams,
-                   chat: bool, out: TextIO) -> tuple[dict[str, Any], int]:
+                   chat: bool, out: TextIO, fmt: Any = None) -> tuple[dict[str, Any], int]:
     """Queue ``records`` on ``engine`` (an ``LLMEngine``); bad ones are written to ``out``
     as error records. Returns the shown prompt of each queued request by id (for
     ``--show``) and the number of error records written."""
@@ -167,7 +171,7 @@ def submit_records(engine, records: list[InputRecord], default_params: SamplingP
         engine.add_request(rec.id, prompt, None, sp, messages=msgs)
         prompts[rec.id] = rec.shown_prompt
 
-    failed = queue_records(records, default_params, chat, out, accept)
+    failed = queue_records(records, default_params, chat, out, accept, fmt)
     return prompts, failed
 
 
@@ -209,6 +213,26 @@ def result_record(res) -> dict[str, Any]:
         {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
         for o in res.outputs
     ]}
+
+
+class NativeFormat:
+    """Output lines of deepinfer's own format (``result_record`` / ``error_record``);
+    every line is final (kept on resume). ``OpenAIFormat`` has the same methods."""
+
+    @staticmethod
+    def result(res) -> dict[str, Any]:
+        return result_record(res)
+
+    @staticmethod
+    def error(record_id: str, message: str) -> dict[str, Any]:
+        return error_record(record_id, message)
+
+    @staticmethod
+    def final(line: dict[str, Any]) -> bool:
+        return True
+
+
+NATIVE = NativeFormat()
 
 
 def show_result(record_id: str, prompt: Any, text: str, prefix: str = "") -> None:

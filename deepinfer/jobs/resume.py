@@ -6,35 +6,53 @@ for a valid output line) stops there, and the torn tail is cut off before append
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
 
 from deepinfer.jobs.parts import fold_part_files
 from deepinfer.jobs.records import InputRecord, mark_duplicates, valid_lines
 
 
-def load_done_ids(path: str) -> set[str]:
-    """Ids already in the output file; a torn last line (killed run) is cut off the file."""
+def load_done_ids(path: str, final: Callable[[dict], bool] | None = None) -> set[str]:
+    """Ids already in the output file; a torn last line (killed run) is cut off the file.
+    ``final(line)``: whether a line counts as done (default: every line); the others are
+    removed from the file (through a temp file and ``os.replace``) to be written again."""
     if not os.path.exists(path):
         return set()
     done: set[str] = set()
     good_end = 0
+    dropped: list[tuple[int, int]] = []  # offset, length of non-final lines
     for offset, raw, rid in valid_lines(path):
-        done.add(rid)
+        if final is None or final(json.loads(raw)):
+            done.add(rid)
+        else:
+            dropped.append((offset, len(raw)))
         good_end = offset + len(raw)
     if good_end != os.path.getsize(path):
         with open(path, "r+b") as f:
             f.truncate(good_end)
+    if dropped:
+        skip = {offset for offset, _ in dropped}
+        tmp = f"{path}.resume.tmp"
+        with open(tmp, "wb") as dst:
+            for offset, raw, _ in valid_lines(path):
+                if offset not in skip:
+                    dst.write(raw)
+        os.replace(tmp, path)
     return done
 
 
-def load_resume_state(output: str, inputs: list[InputRecord]) -> set[str]:
+def load_resume_state(output: str, inputs: list[InputRecord],
+                      final: Callable[[dict], bool] | None = None) -> set[str]:
     """Prepare ``output`` for a run and return the ids already done: create its folder,
     fold in part files left by a killed DP/PD run (they hold finished records), cut a
-    torn last line. Only one process of a run may call this (it rewrites the file)."""
+    torn last line, drop lines that are not ``final`` (see ``load_done_ids``). Only one
+    process of a run may call this (it rewrites the file)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fold_part_files(output, inputs)
-    return load_done_ids(output)
+    return load_done_ids(output, final)
 
 
 def pending_records(inputs: list[InputRecord], done: set[str], output: str,

@@ -1,0 +1,235 @@
+"""The OpenAI batch file format: input lines ``{"custom_id", "method", "url", "body"}``
+(``/v1/chat/completions`` or ``/v1/completions``), output lines ``{"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error"}``.
+
+A line becomes the same ``InputRecord`` the native format makes: its internal id is
+``batch_req_<custom_id>`` (the output line's ``id``, the resume and merge key), or
+``batch_req_line<N>`` for a line that fails by itself (malformed, an unknown ``url``,
+``stream``, a field the engine does not have, a repeated ``custom_id``): such a line gets
+an error line, and error lines are dropped and rewritten when a run is resumed, so every
+input line has exactly one output line. ``body.model`` is not checked against the loaded
+model beyond a warning (as vLLM does): one engine serves every line.
+
+Logprobs name tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): the
+writer has no tokenizer, and ids round-trip where decoded pieces do not. ``top_logprobs``
+holds the top ``k`` and the sampled token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from deepinfer.jobs.records import SAMPLING_KEYS, InputRecord, structured_overrides
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+# Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).
+_SAME_NAME = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
+              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+              "ignore_eos", "stop_token_ids", "skip_special_tokens"} & SAMPLING_KEYS
+# Accepted and without effect on one offline engine.
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
+            "parallel_tool_calls"}
+# OpenAI fields this engine does not implement: a line using one fails, naming it.
+_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "echo",
+                "best_of", "suffix", "audio", "modalities", "prediction"}
+
+
+def is_openai_batch(path: str) -> bool:
+    """Whether the first non-empty line of ``path`` is an object with ``custom_id`` and
+    ``body`` (the OpenAI batch format)."""
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+    return False
+
+
+def read_openai_inputs(path: str) -> list[InputRecord]:
+    """One record per non-empty line of an OpenAI batch file; a bad line, or a repeated
+    ``custom_id`` after its first line, is an error record naming the line."""
+    records: list[InputRecord] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = parse_openai_line(line, lineno)
+            if rec.error is None and rec.custom_id in seen:
+                rec.id = f"batch_req_line{lineno}"
+                rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"
+            if rec.error is None:
+                seen.add(rec.custom_id)
+            records.append(rec)
+    return records
+
+
+def parse_openai_line(line: str, lineno: int) -> InputRecord:
+    """One input line -> an ``InputRecord`` (``api``: ``"chat"`` or ``"completion"``;
+    ``error`` set, naming the line and the field, when the line is bad)."""
+    line_id = f"batch_req_line{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return InputRecord(id=line_id, error=f"line {lineno}: malformed JSON ({e.msg})")
+    if not isinstance(obj, dict):
+        return InputRecord(id=line_id, error=f"line {lineno}: expected a JSON object")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return InputRecord(id=line_id, error=f"line {lineno}: 'custom_id' must be a "
+                                             "non-empty string")
+
+    def bad(msg: str) -> InputRecord:
+        return InputRecord(id=line_id, custom_id=cid, error=f"line {lineno}: {msg}")
+
+    if obj.get("method", "POST") != "POST":
+        return bad(f"method {obj.get('method')!r}: only POST")
+    url = obj.get("url")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        return bad(f"url {url!r}: expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return bad("'body' must be an object")
+    try:
+        prompt, messages, overrides = _body_fields(body, url == CHAT_URL)
+    except ValueError as e:
+        return bad(str(e))
+    return InputRecord(id=f"batch_req_{cid}", prompt=prompt, messages=messages,
+                       overrides=overrides, custom_id=cid,
+                       api="chat" if url == CHAT_URL else "completion")
+
+
+def _body_fields(body: dict[str, Any], chat: bool
+                 ) -> tuple[str | None, list[dict[str, str]] | None, dict[str, Any]]:
+    """``(prompt, messages, sampling overrides)`` of a request body; ``ValueError`` naming
+    the field when it is missing, malformed or not supported."""
+    if body.get("stream"):
+        raise ValueError("body.stream: streaming is not available in a batch")
+    used = set(body) - _IGNORED - {"stream"}
+    unsupported = sorted(used & _UNSUPPORTED)
+    if unsupported:
+        raise ValueError(f"body.{unsupported[0]}: not supported by this engine")
+    prompt = messages = None
+    if chat:
+        messages = _messages(body.get("messages"))
+        used.discard("messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ValueError("body.prompt: must be a string (one prompt per line)")
+        used.discard("prompt")
+    overrides: dict[str, Any] = {k: body[k] for k in used & _SAME_NAME}
+    used -= _SAME_NAME
+    for key in ("max_tokens", "max_completion_tokens"):
+        if key in body:
+            overrides["max_tokens"] = body[key]
+            used.discard(key)
+    logprobs = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if logprobs not in (None, True, False):
+            raise ValueError("body.logprobs: must be true or false for chat completions")
+        if top is not None and not logprobs:
+            raise ValueError("body.top_logprobs: needs logprobs: true")
+        if logprobs:
+            overrides["logprobs"] = 0 if top is None else top
+    elif logprobs is not None:
+        overrides["logprobs"] = logprobs
+    used -= {"logprobs", "top_logprobs", "response_format"}
+    if used:
+        raise ValueError(f"body.{sorted(used)[0]}: unknown field")
+    structured_overrides(overrides, body.get("response_format"))
+    return prompt, messages, overrides
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages with string content (a list of text parts is joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("body.messages: must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"body.messages[{i}]: must be an object with a 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ValueError(f"body.messages[{i}].content: only text parts")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"body.messages[{i}].content: must be a string")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class OpenAIFormat:
+    """Output lines of the OpenAI batch format for the records of one input file.
+    ``model``: the name written in each response body."""
+
+    def __init__(self, records: list[InputRecord], model: str) -> None:
+        self.model = model
+        self._records = {r.id: r for r in records}
+
+    def result(self, res) -> dict[str, Any]:
+        """The line of a finished request (a ``RequestOutput``): status 200, a
+        ``chat.completion`` or ``text_completion`` body with usage."""
+        rec = self._records[res.request_id]
+        chat = rec.api == "chat"
+        choices = []
+        for o in res.outputs:
+            choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
+                                      "logprobs": _logprobs(o, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": o.text}
+            else:
+                choice["text"] = o.text
+            choices.append(choice)
+        completion = sum(len(o.token_ids) for o in res.outputs)
+        prompt = len(res.prompt_token_ids or ())
+        suffix = rec.custom_id
+        body = {"id": ("chatcmpl-" if chat else "cmpl-") + suffix,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+        return {"id": rec.id, "custom_id": rec.custom_id,
+                "response": {"status_code": 200, "request_id": rec.id, "body": body},
+                "error": None}
+
+    def error(self, record_id: str, message: str) -> dict[str, Any]:
+        """The line of a record that failed (``custom_id`` null for an unreadable line)."""
+        rec = self._records.get(record_id)
+        return {"id": record_id, "custom_id": rec.custom_id if rec else None,
+                "response": None, "error": {"code": "invalid_request", "message": message}}
+
+    @staticmethod
+    def final(line: dict[str, Any]) -> bool:
+        """Whether an output line is kept on resume: only successful ones."""
+        resp = line.get("response")
+        return isinstance(resp, dict) and resp.get("status_code") == 200
+
+
+def _logprobs(o, chat: bool) -> dict[str, Any] | None:
+    """OpenAI-shaped logprobs of one completion (tokens as ``token_id:<id>``)."""
+    if o.logprobs is None:
+        return None
+    toks, lps, tops = [], [], []
+    for tok, d in zip(o.token_ids, o.logprobs):
+        toks.append(f"token_id:{tok}")
+        lps.append(float(d.get(tok, float("nan"))))
+        tops.append({f"token_id:{t}": float(lp) for t, lp in d.items()})
+    if chat:
+        return {"content": [
+            {"token": t, "logprob": lp,
+             "top_logprobs": [{"token": k, "logprob": v} for k, v in top.items()]}
+            for t, lp, top in zip(toks, lps, tops)]}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops}
