@@ -1,4 +1,5 @@
-"""Triton kernels of deepinfer (paged attention, KV store, cache/state copies).
+"""Triton kernels of deepinfer (paged attention, KV store, cache/state copies,
+mixture-of-experts routing, alignment and grouped GEMM).
 
 ``kernels.reference`` holds plain-torch versions with the same signatures. Without CUDA
 the Triton kernels can only run through the interpreter, so ``TRITON_INTERPRET=1`` is set
@@ -21,6 +22,10 @@ __all__ = [
     "clone_blocks",
     "zero_states",
     "clone_states",
+    "moe_route",
+    "moe_align",
+    "fused_moe_gemm",
+    "fused_moe",
 ]
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
@@ -36,6 +41,9 @@ else:
 if _IMPORT_ERROR is None:
     from kernels.cache_ops import clone_blocks, clone_states, zero_states
     from kernels.decode_attention import paged_decode_attention
+    from kernels.fused_moe import fused_moe, fused_moe_gemm
+    from kernels.moe_align import moe_align
+    from kernels.moe_routing import moe_route
     from kernels.prefill_attention import paged_prefill_attention
     from kernels.store_kv import store_kv
 else:  # pragma: no cover
@@ -56,3 +64,7 @@ else:  # pragma: no cover
     clone_blocks = _missing("clone_blocks")
     zero_states = _missing("zero_states")
     clone_states = _missing("clone_states")
+    moe_route = _missing("moe_route")
+    moe_align = _missing("moe_align")
+    fused_moe_gemm = _missing("fused_moe_gemm")
+    fused_moe = _missing("fused_moe")

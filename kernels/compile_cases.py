@@ -46,7 +46,11 @@ class Case:
 
     op: ``decode`` (unsplit: a large batch already fills the GPU), ``decode_split`` (one
     long sequence: split-KV + merge), ``prefill``, ``store_kv`` (variant ``t1``: one token,
-    ``batch``: a decode batch), ``clone_blocks``, ``zero_states``, ``clone_states``.
+    ``batch``: a decode batch), ``clone_blocks``, ``zero_states``, ``clone_states``;
+    mixture of experts (variant ``<model>-m<tokens>``, model a key of ``MOE_SHAPES``):
+    ``moe_gemm`` (the layer's two grouped GEMMs: gate+up with SiLU-and-mul, down),
+    ``moe_align`` (its three alignment kernels), ``moe_route``. head_dim, gqa and
+    block_size do not apply to them (and are left out of their ids).
     """
 
     op: str
@@ -59,6 +63,8 @@ class Case:
 
     @property
     def id(self) -> str:
+        if self.op.startswith("moe_"):
+            return f"{self.op}-{self.arch}-{self.dtype}-{self.variant}"
         parts = [self.op, self.arch, self.dtype, f"d{self.head_dim}", f"gqa{self.gqa}",
                  f"bs{self.block_size}"]
         return "-".join(parts + ([self.variant] if self.variant else []))
@@ -72,7 +78,8 @@ class Case:
     @property
     def wants_tensor_cores(self) -> bool:
         """16-bit attention must keep its ``tl.dot``s on the tensor cores."""
-        return self.op in ("decode", "decode_split", "prefill") and self.dtype != "fp32"
+        return (self.op in ("decode", "decode_split", "prefill", "moe_gemm")
+                and self.dtype != "fp32")
 
 
 @dataclass
@@ -110,6 +117,30 @@ class KernelResult:
 
 _ATTN_OPS = ("decode", "decode_split", "prefill")
 
+# (experts, top_k, hidden, intermediate) of the MoE models the issue targets.
+MOE_SHAPES = {
+    "qwen3": (128, 8, 2048, 768),  # Qwen3-30B-A3B
+    "mixtral": (8, 2, 4096, 14336),  # Mixtral-8x7B
+}
+# Token counts that reach each BLOCK_M bucket of kernels.moe_gemm.moe_block_m
+# (16 / 32 / 64 / 128: decode, small, medium, prefill).
+MOE_TOKENS = {"qwen3": (1, 512, 1024, 4096), "mixtral": (1, 128, 256, 4096)}
+
+
+def moe_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """Every MoE tile configuration: the GEMM pair per model x BLOCK_M bucket x dtype,
+    alignment per model at decode and prefill sizes, routing per model x logits dtype."""
+    cases = []
+    for arch in archs:
+        for model, tokens in MOE_TOKENS.items():
+            for m, dt in itertools.product(tokens, DTYPES):
+                cases.append(Case("moe_gemm", arch, dt, variant=f"{model}-m{m}"))
+            for m in (tokens[0], tokens[-1]):
+                cases.append(Case("moe_align", arch, "fp32", variant=f"{model}-m{m}"))
+            for dt in ("bf16", "fp32"):
+                cases.append(Case("moe_route", arch, dt, variant=f"{model}-m{tokens[-1]}"))
+    return cases
+
 
 def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     """The whole grid: head_dim 64/128/256 x GQA 1/4/8 x block size 16/32 x bf16/fp16/fp32
@@ -129,7 +160,7 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         for op, variant in itertools.product(("zero_states", "clone_states"),
                                              ("int64", "int32")):
             cases.append(Case(op, arch, "fp32", 128, 1, 16, variant))
-    return cases
+    return cases + moe_cases(archs)
 
 
 def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
@@ -158,6 +189,14 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         cases.append(Case("store_kv", arch, "fp32", 64, 1, 32, "batch"))
         cases.append(Case("clone_blocks", arch, "bf16", 128, 1, 16, "int64"))
         cases.append(Case("zero_states", arch, "fp32", 128, 1, 16, "int64"))
+        # MoE: the decode GEMM tile (BLOCK_M 16) and the prefill one (128, 8 warps) on each
+        # target; alignment and routing once (their tiles do not depend on the target).
+        cases.append(Case("moe_gemm", arch, "bf16", variant="qwen3-m1"))  # N tiles of 32
+        cases.append(Case("moe_gemm", arch, "bf16", variant="mixtral-m1"))  # 64 and 32
+        cases.append(Case("moe_gemm", arch, "fp16", variant="mixtral-m4096"))
+        if arch == "sm_90":
+            cases.append(Case("moe_align", arch, "fp32", variant="qwen3-m4096"))
+            cases.append(Case("moe_route", arch, "bf16", variant="qwen3-m4096"))
     return cases
 
 
@@ -179,6 +218,9 @@ def plan(case: Case) -> list[Launch]:
     from kernels.decode_attention import decode_launches
     from kernels.prefill_attention import prefill_kernel, prefill_launches
     from kernels.store_kv import store_kv_launches
+
+    if case.op.startswith("moe_"):
+        return _plan_moe(case)
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -233,3 +275,27 @@ def plan(case: Case) -> list[Launch]:
                else _meta(8, 2, dtype=index_dtype))
         return state_launches(states, idx, case.op == "zero_states", target)
     raise ValueError(f"unknown op {case.op!r}")
+
+
+def _plan_moe(case: Case) -> list[Launch]:
+    """A MoE layer call of ``case.variant`` (``<model>-m<tokens>``) via the ops' planners."""
+    from kernels.fused_moe import fused_moe_launches
+    from kernels.moe_routing import route_launches
+
+    target = ARCHS[case.arch].target()
+    dtype = DTYPES[case.dtype]
+    model, tokens = case.variant.split("-m")
+    experts, top_k, hidden, inter = MOE_SHAPES[model]
+    t = int(tokens)
+    if case.op == "moe_route":
+        return route_launches(_meta(t, experts, dtype=dtype), top_k, True,
+                              _meta(t, top_k, dtype=torch.float32),
+                              _meta(t, top_k, dtype=torch.int32), target)
+    x = _meta(t, hidden, dtype=dtype)
+    launches = fused_moe_launches(
+        x, _meta(experts, 2 * inter, hidden, dtype=dtype), _meta(experts, hidden, inter,
+                                                                 dtype=dtype),
+        _meta(t, top_k, dtype=torch.float32), _meta(t, top_k, dtype=torch.int32),
+        _meta(t * top_k, hidden, dtype=dtype), target)
+    # fused_moe_launches: three alignment launches, then the two GEMMs.
+    return launches[:3] if case.op == "moe_align" else launches[3:]

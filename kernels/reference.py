@@ -176,3 +176,131 @@ def clone_states(states: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
     src, dst = pairs[:, 0].long(), pairs[:, 1].long()
     for s in states:
         s[dst.to(s.device)] = s[src.to(s.device)]
+
+
+# --- mixture of experts ------------------------------------------------------------------
+
+def moe_route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over ``router_logits [T, E]`` in fp32, the ``top_k`` largest (descending,
+    ties to the lowest expert index), divided by their sum when ``renormalize``.
+
+    Returns ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k].int().contiguous()
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs (rows of ``topk_ids.view(-1)``) grouped by expert, each group padded to
+    ``block_m`` with the sentinel ``T * top_k``; see ``kernels.moe_align`` for the layout.
+
+    Returns ``(sorted_ids [P] int32, block_expert [P // block_m] int32 (-1 past the padded
+    total), num_padded [1] int32)``, ``P = moe_align_size(T * top_k, E, block_m)``.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n, device = flat.numel(), flat.device
+    bound = n + min(num_experts, n) * (block_m - 1)
+    size = (bound + block_m - 1) // block_m * block_m
+    keep = (flat >= 0) & (flat < num_experts)
+    expert = torch.where(keep, flat, num_experts)  # dropped pairs sort last
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts, first = ends - padded, torch.cumsum(counts, 0) - counts
+    order = torch.sort(expert, stable=True).indices[: int(keep.sum())]
+    e_sorted = expert[order]
+    dest = starts[e_sorted] + torch.arange(order.numel(), device=device) - first[e_sorted]
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.int()
+    rows = torch.arange(size // block_m, device=device) * block_m
+    total = padded.sum()
+    block_expert = torch.searchsorted(ends, rows, right=True)
+    block_expert = torch.where(rows < total, block_expert, -1).int()
+    return sorted_ids, block_expert, total.reshape(1).int()
+
+
+def fused_moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    top_k: int,
+    mul_routed_weight: bool,
+    gated: bool = False,
+) -> torch.Tensor:
+    """``out[i] = a[i // top_k or i] @ w[expert(i)].T`` (x weight; ``silu(gate) * up`` when
+    ``gated``) for every pair ``i`` listed in ``sorted_ids[:num_padded]``; one matmul per
+    expert, fp32 math. See ``kernels.fused_moe_gemm`` for the shapes."""
+    pairs = out.shape[0]
+    block_m = sorted_ids.shape[0] // max(1, block_expert.shape[0])
+    used = int(num_padded[0])
+    ids = sorted_ids[:used].long()
+    experts = block_expert[: used // block_m].long().repeat_interleave(block_m)
+    valid = ids < pairs
+    ids, experts = ids[valid], experts[valid]
+    rows = ids // top_k if a.shape[0] != pairs else ids
+    for e in torch.unique(experts).tolist():
+        sel = experts == e
+        y = a[rows[sel]].float() @ w[e].float().T
+        if gated:
+            half = y.shape[1] // 2
+            y = F.silu(y[:, :half]) * y[:, half:]
+        if mul_routed_weight:
+            assert topk_weights is not None
+            y = y * topk_weights.reshape(-1)[ids[sel]].float()[:, None]
+        out[ids[sel]] = y.to(out.dtype)
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU mixture-of-experts MLP, grouped by expert (one loop step per expert that
+    got a token, no per-token loop), fp32 math.
+
+    x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``;
+    topk_weights ``[T, k]`` fp32; topk_ids ``[T, k]`` int32. Returns ``[T, H]`` in x's dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    inter = w2.shape[2]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    acc = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        h = x[tokens].float() @ w13[e].float().T
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = (h @ w2[e].float().T) * topk_weights.reshape(-1)[pairs].float()[:, None]
+        acc.index_add_(0, tokens, y)
+    if out is None:
+        out = torch.empty_like(x)
+    out.copy_(acc)
+    return out

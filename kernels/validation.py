@@ -134,3 +134,124 @@ def check_attention_common(
         fail("block_tables", f"{sl.shape[0]} rows (one per sequence, like seq_lens)",
               bt.shape[0])
     return qt, kc, vc, bt, sl
+
+
+# --- mixture of experts -----------------------------------------------------------------
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """A host Python int in ``[minimum, maximum]`` (bools and tensors rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(name, "a Python int (a host value, not a tensor)", type(value).__name__)
+    assert isinstance(value, int)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        fail(name, f"an int {bound}", value)
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        fail(name, "a bool", type(value).__name__)
+    return bool(value)
+
+
+def check_moe_route_args(router_logits: object, top_k: object,
+                         renormalize: object) -> torch.Tensor:
+    """router_logits ``[T, E]`` float with unit last stride; 1 <= top_k <= min(E, 64)."""
+    logits = check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES,
+                          last_dim_contiguous=True)
+    check_runnable_device("router_logits", logits)
+    if logits.shape[1] == 0:
+        fail("router_logits", "at least one expert (column)", f"shape {tuple(logits.shape)}")
+    check_int("top_k", top_k, 1, min(logits.shape[1], 64))
+    check_bool("renormalize", renormalize)
+    return logits
+
+
+def check_moe_align_args(topk_ids: object, num_experts: object, block_m: object) -> torch.Tensor:
+    """topk_ids ``[T, k]`` int32 contiguous; num_experts >= 1; block_m a power of two >= 16."""
+    ids = check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), contiguous=True)
+    check_runnable_device("topk_ids", ids)
+    check_int("num_experts", num_experts, 1)
+    bm = check_int("block_m", block_m, 16)
+    if bm & (bm - 1):
+        fail("block_m", "a power of two >= 16 (the GEMM's BLOCK_M)", bm)
+    return ids
+
+
+def _check_moe_weights(name: str, w: object, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    wt = check_tensor(name, w, ndim=3, dtypes=(dtype,), device=device, contiguous=True)
+    if wt.shape[0] == 0:
+        fail(name, "at least one expert", f"shape {tuple(wt.shape)}")
+    return wt
+
+
+def check_moe_gemm_args(
+    a: object, w: object, sorted_ids: object, block_expert: object, num_padded: object,
+    topk_weights: object, out: object, top_k: object, mul_routed_weight: object,
+    gated: object,
+) -> None:
+    """The arguments of ``fused_moe_gemm`` (see its docstring for the shapes)."""
+    at = check_tensor("a", a, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_runnable_device("a", at)
+    wt = _check_moe_weights("w", w, at.dtype, device)
+    if wt.shape[2] != at.shape[1]:
+        fail("w", f"[E, N, {at.shape[1]}] (K = the last dim of a)", f"shape {tuple(wt.shape)}")
+    k = check_int("top_k", top_k, 1)
+    mul = check_bool("mul_routed_weight", mul_routed_weight)
+    if check_bool("gated", gated) and wt.shape[1] % 2:
+        fail("w", "an even N (gate and up halves) when gated", f"shape {tuple(wt.shape)}")
+    n = wt.shape[1] // 2 if gated else wt.shape[1]
+    o = check_tensor("out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device,
+                     last_dim_contiguous=True)
+    pairs = o.shape[0]
+    if o.shape[1] != n:
+        fail("out", f"{n} columns (N of w{', halved: gated' if gated else ''})", o.shape[1])
+    if at.shape[0] * k != pairs and at.shape[0] != pairs:
+        fail("a", f"{pairs // k if pairs % k == 0 else '?'} rows (per token) or {pairs} "
+             f"rows (per pair), as out has {pairs} rows and top_k is {k}", at.shape[0])
+    si = check_tensor("sorted_ids", sorted_ids, ndim=1, dtypes=(torch.int32,), device=device,
+                      contiguous=True)
+    be = check_tensor("block_expert", block_expert, ndim=1, dtypes=(torch.int32,),
+                      device=device, contiguous=True)
+    if be.shape[0] == 0 and si.shape[0] != 0:
+        fail("block_expert", "at least one block", "shape (0,)")
+    if be.shape[0] and (si.shape[0] % be.shape[0] or si.shape[0] // be.shape[0] < 16
+                        or (si.shape[0] // be.shape[0]) & (si.shape[0] // be.shape[0] - 1)):
+        fail("block_expert", f"len(sorted_ids) / block_m entries with block_m a power of "
+             f"two >= 16 (len(sorted_ids) = {si.shape[0]})", f"shape {tuple(be.shape)}")
+    npad = check_tensor("num_padded", num_padded, ndim=1, dtypes=(torch.int32,),
+                        device=device)
+    check_shape("num_padded", npad, (1,))
+    if mul:
+        tw = check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,),
+                          device=device, contiguous=True)
+        if tw.numel() != pairs:
+            fail("topk_weights", f"{pairs} entries ([T, top_k], one per row of out)",
+                 f"shape {tuple(tw.shape)}")
+
+
+def check_fused_moe_args(x: object, w13: object, w2: object, topk_weights: object,
+                         topk_ids: object, out: object) -> None:
+    """The arguments of ``fused_moe`` (see its docstring for the shapes)."""
+    xt = check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_runnable_device("x", xt)
+    hidden = xt.shape[1]
+    w1 = _check_moe_weights("w13", w13, xt.dtype, device)
+    if w1.shape[2] != hidden or w1.shape[1] % 2:
+        fail("w13", f"[E, 2 * I, {hidden}] (H = the last dim of x)", f"shape {tuple(w1.shape)}")
+    experts, inter = w1.shape[0], w1.shape[1] // 2
+    w2t = _check_moe_weights("w2", w2, xt.dtype, device)
+    check_shape("w2", w2t, (experts, hidden, inter))
+    ids = check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=device)
+    if ids.shape[0] != xt.shape[0] or ids.shape[1] == 0:
+        fail("topk_ids", f"[{xt.shape[0]}, top_k >= 1] (one row per token of x)",
+             f"shape {tuple(ids.shape)}")
+    tw = check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,),
+                      device=device, contiguous=True)
+    check_shape("topk_weights", tw, ids.shape)
+    if out is not None:
+        o = check_tensor("out", out, ndim=2, dtypes=(xt.dtype,), device=device,
+                         last_dim_contiguous=True)
+        check_shape("out", o, xt.shape)

@@ -1,13 +1,13 @@
 """Ahead-of-time compilation of every kernel for sm_80 and sm_90, with no GPU.
 
 The interpreter tests check numerics; these check what only the compiler sees: compile
-errors, shared memory over the target's limit, register spills, and 16-bit attention
-falling off the tensor cores. Launches are planned by the ops' own ``*_launches``
-functions (see ``kernels.compile_check``), so a launcher change is covered.
+errors, shared memory over the target's limit, register spills, and 16-bit attention (and
+the MoE grouped GEMM) falling off the tensor cores. Launches are planned by the ops' own
+``*_launches`` functions (see ``kernels.compile_check``), so a launcher change is covered.
 
 ``make test`` compiles a representative subset (about a minute on 2 cores with a cold
 Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
-x op x target, ~670 kernels) runs with ``DEEPINFER_COMPILE_FULL=1``: ``make
+x op x target, ~800 kernels with the MoE ones) runs with ``DEEPINFER_COMPILE_FULL=1``: ``make
 compile-check`` and scripts/gpu_ci.sh. ``DEEPINFER_COMPILE_JOBS`` sets its process count;
 ``DEEPINFER_COMPILE_OUT`` a folder for its table (markdown) and results (JSON).
 """
@@ -65,10 +65,30 @@ def test_quick_subset_covers_the_axes() -> None:
 def test_planning_matches_the_case() -> None:
     """The planner yields the launches a case names (in-process, meta tensors: no compile):
     split + merge for decode_split, one per state tensor (two) for the state ops."""
-    two = ("decode_split", "zero_states", "clone_states")
+    expected = {"decode_split": 2, "zero_states": 2, "clone_states": 2, "moe_gemm": 2,
+                "moe_align": 3}
     for case in QUICK:
         launches = cc_cases.plan(case)
-        assert len(launches) == (2 if case.op in two else 1), case.id
+        assert len(launches) == expected.get(case.op, 1), case.id
+
+
+def test_moe_cases_cover_every_block_m() -> None:
+    """The full grid reaches every BLOCK_M bucket of the MoE GEMM for both model shapes
+    and every dtype; the quick subset has the decode and prefill tiles on each target."""
+    full = [c for c in cc_cases.full_cases() if c.op == "moe_gemm"]
+    seen = {(c.arch, c.dtype, c.variant.split("-")[0], cc_cases.plan(c)[0].kwargs["BLOCK_M"])
+            for c in full}
+    assert seen == {(a, dt, model, bm) for a in cc_cases.ARCHS for dt in cc_cases.DTYPES
+                    for model in cc_cases.MOE_SHAPES for bm in (16, 32, 64, 128)}
+    for arch in cc_cases.ARCHS:
+        quick = {cc_cases.plan(c)[0].kwargs["BLOCK_M"] for c in QUICK
+                 if c.op == "moe_gemm" and c.arch == arch}
+        assert quick == {16, 128}
+    assert {c.op for c in QUICK} >= {"moe_gemm", "moe_align", "moe_route"}
+    # Decode: both N tiles (32 where the grid would leave SMs idle, 64 otherwise).
+    decode_n = {launch.kwargs["BLOCK_N"] for c in QUICK if c.op == "moe_gemm"
+                for launch in cc_cases.plan(c) if launch.kwargs["BLOCK_M"] == 16}
+    assert decode_n == {32, 64}
 
 
 def test_verdict_rules() -> None:
