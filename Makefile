@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: install test lint generate bench clean compile-check
+.PHONY: install test lint generate bench clean compile-check mutate
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ generate: $(STAMP)
 # errors, shared memory, register spills. `make test` compiles a subset.
 compile-check: $(STAMP)
 	DEEPINFER_COMPILE_FULL=1 $(PY) -m pytest -q tests/kernels/test_compile.py
+
+# Mutation testing (mutmut, the `mutate` extra) over scheduler/ and deepinfer/sampler.py
+# with their unit tests: score per target and every surviving mutant's diff
+# (mutants/survivors.txt). Not part of `make test`: it takes tens of minutes.
+# MUTATE_JOBS=N: parallel mutants (default: all cores).
+mutate: $(STAMP)
+	$(PIP) install -q -e ".[dev,mutate]"
+	MUTATE_JOBS="$(MUTATE_JOBS)" scripts/mutate.sh
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-enable

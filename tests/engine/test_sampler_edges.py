@@ -1,0 +1,97 @@
+"""Sampler edges that mutation testing (`make mutate`) showed no test pinned: logprobs
+with k = 0 / 1 / more than the batch, per-row min-p, min_p = 1, greedy rows' top_k not
+limiting sampled rows, bf16 logits, row-count mismatches, out-of-vocab bans."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.sampler import Sampler, SamplingTensors
+from deepinfer.sampling_params import SamplingParams as SP
+
+V = 16
+
+
+def run(logits, params, banned=None):
+    n = logits.shape[0]
+    st = SamplingTensors.from_params(params, logits.shape[-1], "cpu", banned)
+    return Sampler().sample(logits, st, torch.arange(n))
+
+
+def test_logprobs_zero_only_returns_the_sampled_token():
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    tokens, lps = run(logits, [SP(temperature=0.0, logprobs=0)] * 2)
+    ref = torch.log_softmax(logits, -1)
+    for i in range(2):
+        (t, v), = lps[i].items()
+        assert t == int(tokens[i]) and math.isclose(v, float(ref[i, t]), abs_tol=1e-5)
+
+
+def test_logprobs_top_one_and_more_than_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(1, V)
+    top = logits[0].topk(3).indices.tolist()
+    # The argmax banned: the sampled token is the second one, plus the top 1 = 2 entries.
+    _, lps = run(logits, [SP(temperature=0.0, logprobs=1)], banned=[[top[0]]])
+    assert set(lps[0]) == {top[0], top[1]}
+    # k = 3 with a single row: three entries (k is not capped by the batch size).
+    _, lps = run(logits, [SP(temperature=0.0, logprobs=3)])
+    assert set(lps[0]) == set(top)
+
+
+def test_min_p_threshold_is_per_row():
+    """Row A is peaked, row B flat: B's threshold comes from B's own top probability."""
+    torch.manual_seed(2)
+    peaked = torch.zeros(V)
+    peaked[3] = 20.0
+    rows = torch.stack([peaked if i % 2 == 0 else torch.zeros(V) for i in range(400)])
+    tokens, _ = run(rows, [SP(temperature=1.0, min_p=0.5)] * 400)
+    assert set(tokens[0::2].tolist()) == {3}
+    assert len(set(tokens[1::2].tolist())) > V // 2  # flat row: every token survives
+
+
+def test_min_p_one_keeps_only_the_top_token():
+    torch.manual_seed(3)
+    logits = torch.randn(50, V)
+    tokens, _ = run(logits, [SP(temperature=1.0, min_p=1.0)] * 50)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_greedy_rows_top_k_does_not_limit_sampled_rows():
+    torch.manual_seed(4)
+    logits = torch.randn(1, V).expand(300, V).clone()
+    top4 = set(logits[0].topk(4).indices.tolist())
+    params = [SP(temperature=0.0, top_k=1) if i % 3 == 0 else SP(temperature=1.0, top_k=4)
+              for i in range(300)]
+    tokens, _ = run(logits * 0.1, params)  # flat-ish: all four tokens show up
+    sampled = {t for i, t in enumerate(tokens.tolist()) if i % 3}
+    assert sampled == top4
+
+
+def test_bf16_logits_are_upcast():
+    torch.manual_seed(5)
+    logits = (torch.randn(3, V) * 4).to(torch.bfloat16)
+    tokens, lps = run(logits, [SP(temperature=0.0, logprobs=2)] * 3)
+    assert tokens.dtype == torch.int64
+    ref = torch.log_softmax(logits.float(), -1)
+    for i in range(3):
+        for t, v in lps[i].items():
+            assert math.isclose(v, float(ref[i, t]), abs_tol=1e-5)
+
+
+def test_row_count_mismatch_and_empty_batch():
+    st = SamplingTensors.from_params([SP()] * 3, V, "cpu")
+    with pytest.raises(ValueError, match="2 logit rows"):
+        Sampler().sample(torch.randn(2, V), st, torch.arange(2))
+    empty, lps = run(torch.zeros(0, V), [])
+    assert empty.shape == (0,) and empty.dtype == torch.int64 and lps is None
+
+
+def test_out_of_vocab_banned_ids_are_ignored():
+    logits = torch.randn(1, V)
+    tokens, _ = run(logits, [SP(temperature=0.0)], banned=[[V, -1, V + 5]])
+    assert int(tokens[0]) == int(logits.argmax())

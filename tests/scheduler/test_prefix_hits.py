@@ -1,0 +1,85 @@
+"""Prefix-cache hits block by block when identical token blocks repeat at different
+positions, within one prompt and across prompts.
+
+A block's cache key chains its parent's key, so equal tokens at different positions (or
+after different prefixes) are different cache entries: every full block of a prompt is
+registered, and a later prompt hits exactly the blocks of its longest shared prefix.
+(A key of the tokens alone still gives correct outputs, since a hit is verified against
+the parent, but repeated blocks then collide and hits are lost.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scheduler.helpers import FakeRunner, make, run_to_completion
+
+BS = 4
+A = [1, 2, 3, 4]
+B = [5, 6, 7, 8]
+
+
+def run_prompt(s, r, rid, prompt):
+    """Run one request alone to completion; returns its prefix-cache hit tokens."""
+    s.add_request(rid, prompt, 2)
+    seq = s.get_sequences(rid)[0]
+    before = s.stats.prefix_cache_hits
+    run_to_completion(s, r)
+    assert seq.finish_reason == "length"
+    assert s.stats.prefix_cache_hits - before == seq.num_cached_tokens
+    return seq.num_cached_tokens
+
+
+def test_repeated_blocks_in_one_prompt_all_cached():
+    s = make(block_size=BS)
+    r = FakeRunner(s)
+    prompt = A * 3 + [5]
+    assert run_prompt(s, r, "first", prompt) == 0
+    assert run_prompt(s, r, "again", prompt) == 12, "repeated blocks lost their hits"
+    # Three full blocks with equal tokens at positions 0, 1, 2: three cache entries.
+    assert s.block_pool.num_cached == 3
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_hits_stop_at_the_first_differing_block(k):
+    """After A A A 5 is cached, a prompt of k blocks of A then a new token hits k blocks."""
+    s = make(block_size=BS)
+    r = FakeRunner(s)
+    run_prompt(s, r, "first", A * 3 + [5])
+    assert run_prompt(s, r, "probe", A * k + [9]) == BS * k
+
+
+def test_same_block_after_other_prefixes():
+    s = make(block_size=BS)
+    r = FakeRunner(s)
+    run_prompt(s, r, "aaa", A * 3 + [5])
+    # A at position 1 after B: not the cached "A at position 0", nor "A after A".
+    assert run_prompt(s, r, "ba", B + A + [0]) == 0
+    assert s.block_pool.num_cached == 3 + 2
+    # Both chains now hit in full, block by block.
+    assert run_prompt(s, r, "ba-again", B + A + [1]) == 8
+    assert run_prompt(s, r, "baa", B + A + A + [1]) == 8
+    assert run_prompt(s, r, "baab", B + A + A + B + [1]) == 12
+    assert run_prompt(s, r, "aa", A * 2 + [1]) == 8
+    assert run_prompt(s, r, "b", B + [1]) == 4
+    assert run_prompt(s, r, "ab", A + B + [1]) == 4
+
+
+def test_repeated_blocks_shared_while_running():
+    """The second copy of the prompt arrives while the first still runs: it shares all
+    three blocks (one reference each) instead of recomputing them."""
+    s = make(block_size=BS)
+    r = FakeRunner(s)
+    prompt = A * 3 + [5]
+    s.add_request("first", prompt, 6)
+    out = s.schedule()
+    s.update(out, r.execute(out))
+    s.add_request("second", prompt, 6)
+    out = s.schedule()
+    s.update(out, r.execute(out))
+    assert out.is_prompt and out.num_batched_tokens == 1  # only the last token
+    first, second = s.get_sequences("first")[0], s.get_sequences("second")[0]
+    assert second.num_cached_tokens == 12
+    assert second.blocks[:3] == first.blocks[:3]
+    assert len(set(first.blocks[:3])) == 3
+    run_to_completion(s, r)
