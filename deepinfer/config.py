@@ -1,8 +1,10 @@
 """Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
-One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3):
-they differ only in a few switches (qkv bias, per-head q/k RMSNorm, RoPE scaling, tied
-embeddings), so the model code reads those switches instead of branching on names.
+One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and
+the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they differ only in a few
+switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling, tied embeddings,
+which layers are sparse, routing renormalisation, a shared expert), so the model code
+reads those switches instead of branching on names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
+
+#: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 #: GGUF ``general.architecture`` -> HF architecture. Mistral GGUFs are written as "llama".
@@ -50,6 +64,14 @@ class ModelConfig:
     ``high_freq_factor`` and ``original_max_position_embeddings``).
     ``rope_freq_factors`` (GGUF ``rope_freqs.weight``) divides the inverse frequencies
     elementwise: that is how llama.cpp files store Llama 3.1 scaling.
+
+    Mixture of experts (``num_experts > 0``): a layer ``i`` is sparse unless it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (see
+    :meth:`is_moe_layer`); its experts have ``moe_intermediate_size``, the router keeps
+    ``num_experts_per_tok`` of them, renormalised when ``norm_topk_prob``; a
+    ``shared_expert_intermediate_size > 0`` adds Qwen2-MoE's sigmoid-gated shared expert.
+    ``qk_norm_full_width`` (OLMoE) normalises q and k over the whole projection instead
+    of per head; ``clip_qkv`` clamps q, k and v to ``[-clip, clip]`` after that.
     """
 
     architecture: str
@@ -72,9 +94,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: torch.dtype = torch.float32
+    qk_norm_full_width: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        if self.architecture in MOE_ARCHITECTURES:
+            check_moe_counts(self.architecture, self.num_experts, self.num_experts_per_tok)
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"{self.architecture}: decoder_sparse_step="
+                                 f"{self.decoder_sparse_step} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of "
@@ -86,6 +122,11 @@ class ModelConfig:
                 f"rope scaling type {rope_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has a sparse MoE block."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -117,8 +158,11 @@ class ModelConfig:
         # Qwen2 hard-codes a qkv bias (its config has no switch); Qwen3 and Llama read
         # ``attention_bias``.
         bias = True if arch == "Qwen2ForCausalLM" else bool(cfg.get("attention_bias", False))
+        if arch == "Qwen2MoeForCausalLM":
+            bias = bool(cfg.get("qkv_bias", True))
         sliding = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                    "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window"):
             sliding = None
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
@@ -136,11 +180,12 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=_first(cfg.get("bos_token_id")),
             eos_token_ids=tuple(eos),
             torch_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            **_hf_moe(arch, cfg),
         )
 
     @classmethod
@@ -227,12 +272,57 @@ def check_architecture(arch: str | None) -> None:
         )
 
 
+def check_moe_counts(arch: str, num_experts: int, top_k: int) -> None:
+    """``ValueError`` naming ``arch`` unless ``1 <= top_k <= num_experts``."""
+    if num_experts < 1:
+        raise ValueError(f"{arch}: num_experts={num_experts}, a mixture-of-experts model "
+                         f"needs at least one expert")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be between 1 and "
+                         f"num_experts={num_experts}")
+
+
+def _hf_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelConfig` from an HF config (``{}`` for dense ones).
+
+    transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts``; Mixtral and
+    OLMoE experts have ``intermediate_size``; Mixtral always renormalises its top-k.
+    """
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    experts = cfg.get("num_experts")
+    if experts is None:
+        experts = cfg.get("num_local_experts", 0)
+    out: dict[str, Any] = dict(
+        num_experts=int(experts or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size")
+                                  or cfg["intermediate_size"]),
+        norm_topk_prob=True if arch == "MixtralForCausalLM"
+        else bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
+    if arch == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = int(
+            cfg.get("shared_expert_intermediate_size") or 0)
+    if arch == "OlmoeForCausalLM":
+        out["qk_norm_full_width"] = True
+        clip = cfg.get("clip_qkv")
+        out["clip_qkv"] = float(clip) if clip is not None else None
+    return out
+
+
 def _arch_from_model_type(model_type: str | None) -> str | None:
     return {
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "olmoe": "OlmoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
     }.get(model_type or "", model_type)
 
 

@@ -31,7 +31,9 @@ and K/V expanded (a stride-0 view, no copy) over the query heads of each KV head
 is negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
 ``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
 an ``index_copy_`` rewrite of ``clone_blocks`` saved at most ~0.1-1.5 ms per call (1-8
-pairs on a 30-layer cache), not worth a second implementation.
+pairs on a 30-layer cache), not worth a second implementation. The mixture-of-experts ops
+(``moe_route``, ``fused_moe``) are the reference's too: it already groups the tokens by
+expert (one matmul pair per expert that got a token, no per-token loop).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.reference import clone_blocks, clone_states, zero_states
+from kernels.reference import clone_blocks, clone_states, fused_moe, moe_route, zero_states
 
 __all__ = [
     "store_kv",
@@ -51,6 +53,8 @@ __all__ = [
     "clone_blocks",
     "zero_states",
     "clone_states",
+    "moe_route",
+    "fused_moe",
 ]
 
 # Gathered K+V bytes per decode chunk (fp32 K+V of SmolLM2-135M: ~2.7k tokens). Measured

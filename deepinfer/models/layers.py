@@ -1,5 +1,5 @@
 """Building blocks of the decoder: Linear and Embedding without random init, RMSNorm,
-rotary embedding, SiLU-and-mul.
+rotary embedding, SiLU-and-mul, the gated (SwiGLU) MLP.
 
 Each one reproduces the Hugging Face op bit-for-bit in the same dtype (same order of
 float operations), so fp32 logits match transformers to rounding.
@@ -51,6 +51,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate then up, the fused projection's layout) -> ``silu(gate) * up``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one Linear
+    (``gate_up_proj``: gate rows, then up rows)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, backend: Any = None) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]`` (``backend`` unused: the decoder layer
+        calls dense and MoE blocks alike)."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,

@@ -1,9 +1,12 @@
-"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3.
+"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and the MoE Qwen3-MoE, Mixtral,
+OLMoE and Qwen2-MoE.
 
 Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
 attention goes through the paged KV cache via a pluggable kernel backend. The variants
 differ only in switches read from :class:`~deepinfer.config.ModelConfig`: qkv bias
-(Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), RoPE scaling, tied embeddings.
+(Qwen2, Qwen2-MoE), per-head q/k RMSNorm before RoPE (Qwen3, Qwen3-MoE) or over the whole
+projection (OLMoE, with optional qkv clipping), RoPE scaling, tied embeddings, and which
+layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the dense MLP.
 
 Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
 weight loading only has to handle the fused projections.
@@ -22,11 +25,18 @@ from deepinfer.config import ModelConfig
 from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.layers import (
     Embedding,
+    GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    silu_and_mul,
+)
+from deepinfer.models.moe import (
+    SparseMoeBlock,
+    canonical_moe_name,
+    expert_weight_keys,
+    is_expert_tensor,
+    load_expert_tensor,
 )
 
 
@@ -42,7 +52,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
+        self.full_width_norm = cfg.qk_norm_full_width
+        self.clip_qkv = cfg.clip_qkv
+        if cfg.qk_norm_full_width:  # OLMoE: over all heads at once
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
@@ -56,37 +71,32 @@ class LlamaAttention(nn.Module):
         ``[2, NB, BS, Hkv, D]`` -> ``[T, hidden]``."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         # v stays a strided view of the fused output: it only feeds store_kv, which takes
         # any row stride (unit last stride).
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_width_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos_sin)
         o = self.attn(q, k, v, layer_cache[0], layer_cache[1], meta, backend)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one Linear."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is the
+    dense gated MLP or, on the config's sparse layers, a :class:`SparseMoeBlock`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: nn.Module = (SparseMoeBlock(cfg) if cfg.is_moe_layer(layer)
+                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
                 backend: Any) -> torch.Tensor:
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), layer_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), backend)
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +113,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -167,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy of the embedding
+            name = canonical_moe_name(name)
+            if is_expert_tensor(name):
+                loaded.update(load_expert_tensor(params, name, tensor))
+                continue
             target, offset = self._fused_target(name)
             param = params.get(target)
             if param is None:
@@ -193,12 +207,15 @@ class LlamaForCausalLM(nn.Module):
         """Keys ``load_weights`` must report for the model to be complete."""
         keys = set()
         a = self.model.layers[0].self_attn if len(self.model.layers) else None
-        i_size = self.config.intermediate_size
-        for name, _ in self.named_parameters():
+        cfg = self.config
+        for name, param in self.named_parameters():
             if ".qkv_proj." in name and a is not None:
                 keys |= {f"{name}#0", f"{name}#{a.q_size}", f"{name}#{a.q_size + a.kv_size}"}
             elif ".gate_up_proj." in name:
-                keys |= {f"{name}#0", f"{name}#{i_size}"}
+                keys |= {f"{name}#0", f"{name}#{param.shape[0] // 2}"}
+            elif name.endswith((".mlp.w13", ".mlp.w2")):
+                keys.update(expert_weight_keys(name, cfg.num_experts,
+                                               cfg.moe_intermediate_size))
             else:
                 keys.add(name)
         return keys
@@ -211,7 +228,8 @@ class LlamaForCausalLM(nn.Module):
             ("k_proj", "qkv_proj", a.q_size if a else 0),
             ("v_proj", "qkv_proj", (a.q_size + a.kv_size) if a else 0),
             ("gate_proj", "gate_up_proj", 0),
-            ("up_proj", "gate_up_proj", self.config.intermediate_size),
+            ("up_proj", "gate_up_proj", self.config.shared_expert_intermediate_size
+             if ".shared_expert." in name else self.config.intermediate_size),
         ):
             marker = f".{proj}."
             if marker in name:

@@ -173,9 +173,9 @@ def test_store_kv_bit_exact(dtype, padding):
 
 def test_same_ops_as_reference():
     names = ["store_kv", "paged_decode_attention", "paged_prefill_attention",
-             "clone_blocks", "zero_states", "clone_states"]
+             "clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe"]
     assert sorted(cpu_backend.__all__) == sorted(names)
-    for name in ("clone_blocks", "zero_states", "clone_states"):
+    for name in ("clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe"):
         assert getattr(cpu_backend, name) is getattr(reference, name)
 
 

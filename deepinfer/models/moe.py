@@ -1,0 +1,137 @@
+"""The sparse mixture-of-experts block and how its checkpoint tensors map onto it.
+
+One block serves Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE: a router (``gate``, a bias-free
+``Linear(hidden, E)``), experts stacked into ``w13 [E, 2I, H]`` (gate rows ``0..I``, then
+up rows ``I..2I``) and ``w2 [E, H, I]``, and for Qwen2-MoE a shared expert whose output is
+scaled by ``sigmoid(shared_expert_gate(x))`` and added. Routing and the expert MLPs go
+through the kernel backend the engine passes in (``moe_route`` then ``fused_moe``), so the
+same weights run on the Triton kernels and on the torch reference.
+
+Checkpoints store experts one tensor each (``mlp.experts.{e}.gate_proj/up_proj/down_proj``
+for Qwen/OLMoE, ``block_sparse_moe.experts.{e}.w1/w3/w2`` for Mixtral) or already stacked
+(``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``, as
+transformers 5 holds them in memory); :func:`load_expert_tensor` copies either into place.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.config import ModelConfig
+from deepinfer.models.layers import GatedMLP, Linear
+
+#: Per-expert tensor name -> (block prefix, expert, projection).
+_PER_EXPERT = re.compile(
+    r"^(?P<block>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight$")
+#: Already-stacked tensor name -> (block prefix, which stack).
+_STACKED = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)"
+                      r"(?:\.weight)?$")
+#: Projection -> (our stacked parameter, is it the up half of w13).
+_PROJ = {"gate_proj": ("w13", False), "w1": ("w13", False),
+         "up_proj": ("w13", True), "w3": ("w13", True),
+         "down_proj": ("w2", False), "w2": ("w2", False)}
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + top-k SwiGLU experts (+ optional sigmoid-gated shared expert)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
+        self.intermediate_size = i
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(h, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: torch.Tensor, backend: Any) -> torch.Tensor:
+        """x ``[T, hidden]`` (model dtype, contiguous) -> ``[T, hidden]`` same dtype."""
+        weights, ids = backend.moe_route(self.gate(x), self.top_k, self.renormalize)
+        out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` (after :func:`canonical_moe_name`) is an expert
+    weight that :func:`load_expert_tensor` places."""
+    return bool(_PER_EXPERT.match(name) or _STACKED.match(name))
+
+
+def canonical_moe_name(name: str) -> str:
+    """Mixtral's ``block_sparse_moe`` module is our ``mlp``."""
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def expert_weight_keys(param_name: str, num_experts: int, intermediate: int) -> list[str]:
+    """Load keys of a stacked parameter: ``w13`` has a gate and an up half per expert,
+    ``w2`` one tensor per expert."""
+    if param_name.endswith(".w13"):
+        return [f"{param_name}#{e}#{off}" for e in range(num_experts)
+                for off in (0, intermediate)]
+    return [f"{param_name}#{e}" for e in range(num_experts)]
+
+
+def load_expert_tensor(params: dict[str, nn.Parameter], name: str,
+                       tensor: torch.Tensor) -> list[str]:
+    """Copy expert tensor ``name`` into its stacked parameter; returns the load keys it
+    filled (see :func:`expert_weight_keys`). ``ValueError`` naming the tensor when it has
+    no place (e.g. a dense layer) or the wrong shape.
+
+    Per-expert: gate/w1 ``[I, H]`` -> ``w13[e, :I]``, up/w3 ``[I, H]`` -> ``w13[e, I:]``,
+    down/w2 ``[H, I]`` -> ``w2[e]``. Stacked: ``gate_up_proj [E, 2I, H]`` -> ``w13``,
+    ``down_proj [E, H, I]`` -> ``w2``. Copies convert to the parameter's dtype.
+    """
+    m = _PER_EXPERT.match(name)
+    if m is not None:
+        stack, is_up = _PROJ[m["proj"]]
+        target = f"{m['block']}.{stack}"
+        param = _param(params, target, name)
+        e = int(m["e"])
+        if e >= param.shape[0]:
+            raise ValueError(f"checkpoint tensor {name!r}: expert {e} but the config has "
+                             f"{param.shape[0]} experts")
+        dst = param.data[e]
+        off = 0
+        if stack == "w13":
+            inter = param.shape[1] // 2
+            off = inter if is_up else 0
+            dst = dst.narrow(0, off, inter)
+        _copy(dst, tensor, name)
+        return [f"{target}#{e}#{off}" if stack == "w13" else f"{target}#{e}"]
+    m = _STACKED.match(name)
+    if m is None:
+        raise ValueError(f"checkpoint tensor {name!r} is not an expert weight")
+    is_w13 = m["proj"] == "gate_up_proj"
+    target = f"{m['block']}.{'w13' if is_w13 else 'w2'}"
+    param = _param(params, target, name)
+    _copy(param.data, tensor, name)
+    inter = param.shape[1] // 2 if is_w13 else param.shape[2]
+    return expert_weight_keys(target, param.shape[0], inter)
+
+
+def _param(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model (no MoE "
+                         f"block {target.rsplit('.', 1)[0]!r})")
+    return param
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(src.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+    dst.copy_(src)
