@@ -95,3 +95,35 @@ def test_out_of_vocab_banned_ids_are_ignored():
     logits = torch.randn(1, V)
     tokens, _ = run(logits, [SP(temperature=0.0)], banned=[[V, -1, V + 5]])
     assert int(tokens[0]) == int(logits.argmax())
+
+
+def _seeded_draws(steps=None, sample_indices=None, rows=64):
+    """Tokens of ``rows`` identical seeded rows over a flat distribution: one seeded
+    uniform each (the inverse CDF picks the token the uniform falls in)."""
+    logits = torch.zeros(rows, V)
+    params = [SP(temperature=1.0, seed=1234)] * rows
+    st = SamplingTensors.from_params(params, V, "cpu", steps=steps,
+                                     sample_indices=sample_indices)
+    tokens, _ = Sampler().sample(logits, st, torch.arange(rows))
+    return tokens.tolist()
+
+
+def test_seeded_draw_depends_on_the_step_and_nothing_else():
+    """Same seed, same step: the same token whatever the row; another step (the output
+    index) gives another draw. A sampler that ignored ``steps`` would repeat one token."""
+    same = _seeded_draws(steps=[5] * 64)
+    assert len(set(same)) == 1
+    per_step = _seeded_draws(steps=list(range(64)))
+    assert len(set(per_step)) > 8  # 64 draws over 16 equally likely tokens
+    assert per_step[5] == same[0]
+    assert _seeded_draws(steps=list(range(64))) == per_step  # reproducible
+
+
+def test_seeded_samples_of_one_request_draw_apart():
+    """n > 1 with a seed: each sample (``sample_indices``) has its own stream, so samples
+    at the same step differ; the same index repeats."""
+    apart = _seeded_draws(steps=[3] * 64, sample_indices=list(range(64)))
+    assert len(set(apart)) > 8
+    again = _seeded_draws(steps=[3] * 64, sample_indices=list(range(64)))
+    assert again == apart
+    assert _seeded_draws(steps=[3] * 64, sample_indices=[0] * 64) == [apart[0]] * 64

@@ -83,3 +83,22 @@ def test_length_limit_known_at_schedule_time():
     s.update(out2, t2)
     assert s.dropped == []
     s.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["list", "tensor", "ndarray", "tuple"])
+def test_update_takes_ids_as_list_tensor_array_or_iterable(kind):
+    """The runner hands ``update()`` a list; a tensor (any shape with S ids), an array or
+    any iterable of ints must apply the same tokens."""
+    import torch
+
+    s = make()
+    s.add_request("a", [1, 2, 3], 4, n=2)
+    out = s.schedule()
+    ids = [7, 9]
+    given = {"list": ids, "tensor": torch.tensor([ids]), "ndarray": np.array(ids),
+             "tuple": tuple(ids)}[kind]
+    s.update(out, given)
+    got = sorted((q.sample_index, q.output_token_ids) for q in s.get_sequences("a"))
+    assert got == [(0, [7]), (1, [9])]
+    assert all(isinstance(t, int) for q in s.get_sequences("a") for t in q.output_token_ids)
+    s.check_invariants()
