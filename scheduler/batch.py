@@ -100,6 +100,7 @@ class BatchBuffers:
         self.pinned = pin  # the engine runs on CUDA: copies from here are asynchronous
         # An event (anything with ``synchronize()``) recorded after the consumer's copies.
         self.copied: Any = None
+        self._views: dict[tuple[int, int, int, int], tuple[torch.Tensor, ...]] = {}
 
     def wait_until_copied(self) -> None:
         """Block until the last consumer's copies out of these buffers have completed."""
@@ -113,22 +114,21 @@ class BatchBuffers:
 
     def make(self, t: int, b: int, w: int, s: int, max_query_len: int,
              max_seq_len: int) -> LaunchBatch:
-        """Tensors over the first t tokens / b sequences / s samples of the buffers."""
-        return LaunchBatch(
-            input_ids=self.input_ids[:t],
-            positions=self.positions[:t],
-            slot_mapping=self.slot_mapping[:t],
-            block_tables=self.block_tables[: b * w].view(b, w),
-            seq_lens=self.seq_lens[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            logits_indices=self.logits_indices[:s],
-            state_slots=self.state_slots[:b],
-            sample_state_slots=self.sample_state_slots[:s],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            num_tokens=t,
-            buffers=self,
-        )
+        """Tensors over the first t tokens / b sequences / s samples of the buffers. The
+        views of a size seen before are reused (same memory; nine slices cost ~20 us,
+        and decode steps repeat their sizes)."""
+        key = (t, b, w, s)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 64:  # prompt steps vary: keep the cache small
+                self._views.clear()
+            views = self._views[key] = (
+                self.input_ids[:t], self.positions[:t], self.slot_mapping[:t],
+                self.block_tables[: b * w].view(b, w), self.seq_lens[:b],
+                self.query_start_loc[: b + 1], self.logits_indices[:s],
+                self.state_slots[:b], self.sample_state_slots[:s])
+        return LaunchBatch(*views, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                           num_tokens=t, buffers=self)
 
 
 class BatchBuilder:
