@@ -643,18 +643,12 @@ class _SimulatedDevice:
     """
 
     def __init__(self, engine, delay: float) -> None:
-        self.model = _model_of(engine)
         self.runner = engine.runner
         self.delay = delay
         self.seconds, self.calls = 0.0, 0
         self.free_at = 0.0
         self.launches: list[tuple[float, bool, int]] = []  # (time, decode?, samples)
-        hidden = self.model.config.hidden_size
-        dtype = next(self.model.parameters()).dtype
         launch = self.runner.launch
-
-        def forward(input_ids, *args, **kwargs):
-            return torch.zeros(input_ids.shape[0], hidden, dtype=dtype)
 
         def delayed_launch(out, *args, **kwargs):
             self.launches.append((time.perf_counter(), not out.is_prompt, out.num_samples))
@@ -665,11 +659,12 @@ class _SimulatedDevice:
             self.calls += 1
             return _ReadyAt(handle, self.free_at)
 
-        self.model.forward = forward
+        self._zero = _zero_forward(_model_of(engine))
+        self._zero.__enter__()
         self.runner.launch = delayed_launch
 
     def remove(self) -> None:
-        del self.model.forward
+        self._zero.__exit__(None, None, None)
         del self.runner.launch
 
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args.validate()
         inputs, fmt = open_job(args.input, args.format, engine_args.model)
         if fmt is not NATIVE:
-            warn_other_models(args.input, engine_args.model)
+            warn_other_models(inputs, args.input, engine_args.model)
         if args.dp < 1:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
         if args.dp_timeout <= 0:

@@ -147,6 +147,16 @@ class LLMEngine:
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
         self.stats = EngineStats()
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Overlapped scheduling (``drain`` keeps a step in flight); the runner then keeps
+        the sampled ids on the device that the next step's placeholders read."""
+        return self.runner.overlap
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        self.runner.overlap = bool(on)
+
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -272,10 +282,11 @@ class LLMEngine:
                     if inflight is not None:
                         done = self._complete(*inflight)
                     inflight = launched
-                elif inflight is not None:  # constrained work: land the step first
-                    done, inflight = self._complete(*inflight), None
-                else:
-                    done = self.step()
+                else:  # plain loop (or constrained work: land the step in flight first)
+                    if inflight is not None:
+                        done, inflight = self._complete(*inflight), None
+                    if more:  # one schedule per keep_going(), as above: DP ranks agree
+                        done += self.step()
                 while done:
                     yield done.pop(0)
                 if on_step is not None:

@@ -123,7 +123,10 @@ class ModelRunner:
         self._cached_sampling: tuple[np.ndarray, int, SamplingTensors] | None = None
         # Each slot's latest sampled id, on the device: a decode input whose token was
         # still in flight when the step was scheduled (a placeholder) is read from here.
+        # Written only while ``overlap`` is on (the engine's loop keeps a step in flight):
+        # without it no input is ever a placeholder.
         self.last_sampled = torch.zeros(spec.max_num_seqs, dtype=torch.int64, device=device)
+        self.overlap = False
         self._copy_stream = None
         self._host_ids: list[torch.Tensor] = []
         if device.type == "cuda":
@@ -314,7 +317,8 @@ class ModelRunner:
         token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,
                                                   self.states)
         Sampler.record_output_tokens(self.states, token_ids, slots)
-        self.last_sampled.index_copy_(0, slots, token_ids)
+        if self.overlap:
+            self.last_sampled.index_copy_(0, slots, token_ids)
         if self._copy_stream is None:
             return SampledTokens(token_ids, logprobs)
         host = self._host_ids[self._host_index][: token_ids.shape[0]]
@@ -349,7 +353,8 @@ class ModelRunner:
     def _run_model(self, out) -> torch.Tensor:
         b = out.batch
         ids = None
-        if not out.is_prompt and b.num_tokens and int(b.input_ids.numpy().min()) < 0:
+        if (self.overlap and not out.is_prompt and b.num_tokens
+                and int(b.input_ids.numpy().min()) < 0):
             # Tokens of the step launched before this one, still in flight on the host.
             dev_ids = self._to_device(b.input_ids)
             ids = torch.where(dev_ids < 0, self.last_sampled[self._to_device(b.state_slots)],

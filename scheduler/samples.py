@@ -55,35 +55,29 @@ class SampleApplier:
                tokens: list[int]) -> list[Sequence]:
         """A prompt step: register the full blocks the step computed for ``seqs`` (cut
         prompts too), then append ``tokens`` to ``sample_seqs``. Returns the finished."""
+        self.dropped = []
         if self._caching:
             register = self._kv.register
             for seq in seqs:
                 if seq.status is not _FINISHED:
                     register(seq, seq.num_computed)
-        return self.each(sample_seqs, tokens, register=False)
+        return self._each(sample_seqs, tokens)
 
-    def each(self, seqs: list[Sequence], tokens: list[int],
-             register: bool) -> list[Sequence]:
+    def _each(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Per-sequence path (prompt samples, or decode rows whose sequence ended or was
-        preempted after the step was scheduled)."""
-        self.dropped = []
-        bs = self._kv.block_size
-        caching = register and self._caching
-        states = self._states
+        preempted after the step was scheduled): running rows land in one ``land``; the
+        tokens of finished sequences go to ``dropped``. (The blocks a prompt step filled
+        are registered by ``prompt``; the other rows hold no slot.)"""
+        live = [i for i, seq in enumerate(seqs) if seq.status is _RUNNING]
+        if live:
+            self._states.land(np.fromiter((seqs[i].slot for i in live), np.int64, len(live)),
+                              np.fromiter((tokens[i] for i in live), np.int64, len(live)))
         finished = []
         for seq, t in zip(seqs, tokens):
-            status = seq.status
-            if status is _FINISHED:
+            if seq.status is _FINISHED:
                 self.dropped.append(seq)
                 continue
             seq.output_token_ids.append(t)
-            if status is _RUNNING:
-                slot = np.array([seq.slot])
-                states.land(slot, np.array([t]))
-                if caching:
-                    computed = seq.num_tokens - 1
-                    if computed % bs == 0:
-                        self._kv.register(seq, computed)
             reason = seq.stop_reason(t)
             if reason is not None:
                 self._finish(seq, reason)
@@ -94,23 +88,19 @@ class SampleApplier:
                tokens: list[int]) -> list[Sequence]:
         """Vectorized decode path: row i is ``seqs[i]`` in state slot ``slots[i]`` (int64
         [B]), held by seq id ``owners[i]`` when the step was scheduled; it gets
-        ``tokens[i]``. Rows whose slot changed hands since go through ``each``."""
+        ``tokens[i]``. Rows whose slot changed hands since go through ``_each``."""
+        self.dropped = []
         states = self._states
         toks = np.asarray(tokens, dtype=np.int64)
         moved = states.owner[slots] != owners
         finished: list[Sequence] = []
         if moved.any():
             gone = np.flatnonzero(moved).tolist()
-            finished = self.each([seqs[i] for i in gone], [tokens[i] for i in gone],
-                                 register=False)
-            dropped = self.dropped
+            finished = self._each([seqs[i] for i in gone], [tokens[i] for i in gone])
             keep = np.flatnonzero(~moved)
             seqs = [seqs[i] for i in keep.tolist()]
             slots, toks = slots[keep], toks[keep]
             tokens = toks.tolist()
-        else:
-            dropped = []
-        self.dropped = dropped
         newlen = states.land(slots, toks)
         for seq, t in zip(seqs, tokens):
             seq.output_token_ids.append(t)

@@ -41,22 +41,11 @@ def open_job(path: str, fmt: str = "auto", model: str | None = None
     return records, OpenAIFormat(records, model_name(model))
 
 
-def warn_other_models(path: str, model: str | None) -> None:
+def warn_other_models(records: list[InputRecord], path: str, model: str | None) -> None:
     """One warning when lines of an OpenAI batch file name another ``body.model``: the
     loaded model serves them all (as vLLM's run-batch does)."""
-    import json
-
     name = model_name(model)
-    others: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                body = json.loads(line).get("body") or {}
-                m = body.get("model")
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            if isinstance(m, str) and m and m != name:
-                others.add(m)
+    others = sorted({r.model for r in records if r.model and r.model != name})
     if others:
-        print(f"deepinfer-generate: warning: {path} names model(s) {sorted(others)[:3]}; "
+        print(f"deepinfer-generate: warning: {path} names model(s) {others[:3]}; "
               f"every line runs on the loaded model {name!r}", file=sys.stderr)

@@ -102,9 +102,11 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
         prompt, messages, overrides = _body_fields(body, url == CHAT_URL)
     except ValueError as e:
         return bad(str(e))
+    model = body.get("model")
     return InputRecord(id=f"batch_req_{cid}", prompt=prompt, messages=messages,
                        overrides=overrides, custom_id=cid,
-                       api="chat" if url == CHAT_URL else "completion")
+                       api="chat" if url == CHAT_URL else "completion",
+                       model=model if isinstance(model, str) and model else None)
 
 
 def _body_fields(body: dict[str, Any], chat: bool

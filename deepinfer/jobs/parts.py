@@ -50,7 +50,7 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
     entries: list[tuple[int, int, int, int, int]] = []  # key, seq, source, offset, length
     seen: set[bytes] = set()
     for si, path in enumerate(sources):
-        for offset, raw, rid in valid_lines(path):
+        for offset, raw, rid, _ in valid_lines(path):
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             if digest in seen:
                 continue

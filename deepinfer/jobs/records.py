@@ -38,6 +38,7 @@ class InputRecord:
     error: str | None = None
     custom_id: str | None = None  # OpenAI batch format: the line's custom_id
     api: str | None = None  # OpenAI batch format: "chat" or "completion"
+    model: str | None = None  # OpenAI batch format: the line's body.model
 
     @property
     def shown_prompt(self) -> str | Messages | None:
@@ -175,8 +176,9 @@ def submit_records(engine, records: list[InputRecord], default_params: SamplingP
     return prompts, failed
 
 
-def valid_lines(path: str) -> Iterator[tuple[int, bytes, str]]:
-    """``(offset, raw_line, id)`` of each whole output record of ``path``, in file order.
+def valid_lines(path: str) -> Iterator[tuple[int, bytes, str, dict[str, Any]]]:
+    """``(offset, raw_line, id, record)`` of each whole output record of ``path``, in file
+    order.
 
     The one rule for a valid output line: a whole line (it ends with a newline) holding a
     JSON object with an ``id``. Stops at the first line that is not (a killed writer
@@ -192,7 +194,7 @@ def valid_lines(path: str) -> Iterator[tuple[int, bytes, str]]:
                 return
             if not isinstance(rec, dict) or "id" not in rec:
                 return
-            yield offset, raw, str(rec["id"])
+            yield offset, raw, str(rec["id"]), rec
             offset += len(raw)
 
 

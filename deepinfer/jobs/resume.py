@@ -6,7 +6,6 @@ for a valid output line) stops there, and the torn tail is cut off before append
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -23,24 +22,24 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None) -> set
         return set()
     done: set[str] = set()
     good_end = 0
-    dropped: list[tuple[int, int]] = []  # offset, length of non-final lines
-    for offset, raw, rid in valid_lines(path):
-        if final is None or final(json.loads(raw)):
+    kept: list[bytes] = []  # the final lines, in order (rewritten only if some are not)
+    dropped = False
+    for offset, raw, rid, rec in valid_lines(path):
+        if final is None or final(rec):
             done.add(rid)
+            if final is not None:
+                kept.append(raw)
         else:
-            dropped.append((offset, len(raw)))
+            dropped = True
         good_end = offset + len(raw)
-    if good_end != os.path.getsize(path):
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
     if dropped:
-        skip = {offset for offset, _ in dropped}
         tmp = f"{path}.resume.tmp"
         with open(tmp, "wb") as dst:
-            for offset, raw, _ in valid_lines(path):
-                if offset not in skip:
-                    dst.write(raw)
+            dst.writelines(kept)
         os.replace(tmp, path)
+    elif good_end != os.path.getsize(path):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
     return done
 
 
