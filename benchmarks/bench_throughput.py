@@ -11,6 +11,13 @@ it, so padding and over-generation cost it time but earn nothing.
     python benchmarks/bench_throughput.py --no-hf              # deepinfer only
     python benchmarks/bench_throughput.py --no-hf --dp 2       # + the same run over 2 DP ranks
     python benchmarks/bench_throughput.py --no-hf --pd 1:1     # + the same run, disaggregated
+    python benchmarks/bench_throughput.py --tp 3               # deepinfer-generate --tp 1 vs 3
+
+``--tp N`` is a mode of its own: the workload (16 requests, 16-64 tokens in and out unless
+given) is written as a ``deepinfer-generate`` input and run twice through the command
+line, ``--tp 1`` then ``--tp N``, each in a fresh process; the outputs must be equal token
+for token (greedy). The default SmolLM2-135M (9 heads, 3 KV heads) splits over 3 ranks.
+On CPU every process runs with ``OMP_NUM_THREADS=1`` unless ``--threads`` says otherwise.
 
 The test at the bottom runs a tiny workload so the suite exercises this file.
 """
@@ -23,12 +30,16 @@ import json
 import os
 import platform
 import random
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 from results_meta import git_commit, utc_now
+from tree_state import commit_label, uncommitted_source
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -247,6 +258,188 @@ def _bench_rank(info, args: dict, wl: Workload) -> list[dict] | None:
     return everyone if info.rank == 0 else None
 
 
+# ---------------------------------------------------------------------------- --tp N
+_DONE = re.compile(r"done: (\d+) requests ok, (\d+) failed \| prompt (\d+) tok, "
+                   r"generated (\d+) tok in ([\d.]+)s \(([\d.]+) tok/s out")
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def write_job_input(wl: Workload, tokenizer, path: str) -> None:
+    """The workload as a ``deepinfer-generate`` ``.jsonl`` input: each prompt's random ids
+    decoded to text (the CLI takes text; re-encoding gives about the same length), greedy,
+    ``ignore_eos`` and the request's own ``max_tokens``."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (ids, m) in enumerate(zip(wl.prompts, wl.max_tokens)):
+            f.write(json.dumps({"id": str(i), "prompt": tokenizer.decode(ids),
+                                "max_tokens": m, "temperature": 0.0,
+                                "ignore_eos": True}) + "\n")
+
+
+def run_cli(args: argparse.Namespace, job: str, out: str, tp: int) -> dict:
+    """One ``python -m deepinfer.generate ... --tp {tp}`` run in a fresh process (its ranks
+    spawned by it). ``seconds``: the CLI's own ``done:`` line (engine built and model
+    loaded, records queued, to the last record), ``wall_seconds``: the whole process."""
+    cmd = [sys.executable, "-m", "deepinfer.generate", "--input", job, "--output", out,
+           "--device", args.device, "--dtype", args.dtype, "--tp", str(tp),
+           "--max-model-len", str(2 * args.max_len + 16), "--no-progress"]
+    if args.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    if getattr(args, "async_scheduling", None) is not None:
+        cmd.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    if args.model is not None:
+        cmd += ["--model", args.model]
+    env = dict(os.environ)
+    if getattr(args, "threads", 0):
+        env["OMP_NUM_THREADS"] = str(args.threads)  # every rank's torch threads
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          timeout=getattr(args, "tp_timeout", 1800))
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    done = _DONE.search(proc.stderr)
+    if proc.returncode != 0 or done is None:
+        raise RuntimeError(f"--tp {tp} run failed (exit {proc.returncode}): "
+                           f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    ok, failed, prompt_tok, gen_tok = (int(done.group(i)) for i in range(1, 5))
+    # Both figures are printed to one decimal: the seconds from whichever is more precise.
+    elapsed, rate = float(done.group(5)), float(done.group(6))
+    seconds = elapsed if elapsed >= rate or rate == 0 else gen_tok / rate
+    with open(out, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    shown = " ".join("JOB" if c == job else "OUT" if c == out else c for c in cmd[1:])
+    prefix = f"OMP_NUM_THREADS={args.threads} " if getattr(args, "threads", 0) else ""
+    return {"tp": tp, "command": f"{prefix}python {shown}", "seconds": seconds,
+            "wall_seconds": wall, "requests_ok": ok,
+            "failed": failed, "prompt_tokens": prompt_tok, "tokens": gen_tok,
+            "tok_per_s": gen_tok / seconds,
+            # 1-minute load average before / after: other jobs on the machine show here.
+            "loadavg_1min": [round(load_before, 2), round(load_after, 2)],
+            "token_ids": {r["id"]: r["outputs"][0]["token_ids"] for r in records
+                          if "outputs" in r}}
+
+
+def compare_outputs(one: dict[str, list[int]], many: dict[str, list[int]]) -> dict:
+    """Token-for-token equality of two runs' outputs, by request id; for each request that
+    differs, the first position where it does."""
+    diverged = {}
+    for rid in sorted(set(one) | set(many), key=lambda r: (len(r), r)):
+        a, b = one.get(rid), many.get(rid)
+        if a == b:
+            continue
+        if a is None or b is None:
+            diverged[rid] = "missing in the " + ("--tp 1" if a is None else "--tp N") + " run"
+            continue
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        diverged[rid] = f"first differs at output token {first} of {len(a)}/{len(b)}"
+    return {"equal": not diverged, "requests": len(set(one) | set(many)),
+            "equal_requests": len(set(one) | set(many)) - len(diverged),
+            "diverged": diverged}
+
+
+def run_tp(args: argparse.Namespace) -> dict:
+    """The workload through ``deepinfer-generate --tp 1`` and ``--tp N``: tok/s of both,
+    their ratio, and whether the outputs are equal token for token."""
+    from deepinfer.loading.loader import load_config, resolve_dtype, resolve_model_path
+    from deepinfer.tokenizer import load_tokenizer
+
+    path = resolve_model_path(args.model)
+    cfg = load_config(path)
+    dev = _device_type(args.device)
+    wl = make_workload(args.num_requests, args.min_len, args.max_len, cfg.vocab_size,
+                       args.seed)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        job = os.path.join(tmp, "job.jsonl")
+        write_job_input(wl, load_tokenizer(path), job)
+        for tp in (1, args.tp):
+            runs.append(run_cli(args, job, os.path.join(tmp, f"out-tp{tp}.jsonl"), tp))
+    one, many = runs
+    same = compare_outputs(one.pop("token_ids"), many.pop("token_ids"))
+    threads = (getattr(args, "threads", 0) or int(os.environ.get("OMP_NUM_THREADS") or 0)
+               or torch.get_num_threads())
+    result = {
+        "device": (torch.cuda.get_device_name() if dev == "cuda"
+                   else platform.processor() or platform.machine()),
+        "device_type": dev,
+        "gpus": torch.cuda.device_count() if dev == "cuda" else 0,
+        "cpu_cores": os.cpu_count(),
+        "threads_per_process": threads,
+        "commit": git_commit(),
+        # Work in progress: the source that ran is HEAD plus these (see tree_state).
+        "uncommitted_source": uncommitted_source(),
+        "date": utc_now(),
+        "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "heads": [cfg.num_heads, cfg.num_kv_heads],
+        "dtype": str(resolve_dtype(args.dtype, cfg.torch_dtype, torch.device(dev),
+                                   path.endswith(".gguf"))),
+        "num_requests": args.num_requests, "len_range": [args.min_len, args.max_len],
+        "tp": args.tp, "tp1": one, f"tp{args.tp}": many,
+        "tp_vs_tp1": many["tok_per_s"] / one["tok_per_s"],
+        "outputs_equal": same,
+    }
+    if dev == "cpu":
+        result["note"] = (
+            f"CPU: a correctness-of-scale check, not a speed figure. The {args.tp} ranks "
+            f"are {args.tp} processes of {threads} torch thread(s) each sharing this "
+            f"machine's {os.cpu_count()} cores (which other jobs may also use; see the "
+            "load averages) with --tp 1's one process of as many threads, every layer's "
+            "all-reduce is a gloo copy through local TCP, and only the leader samples "
+            "and schedules while the others wait, so the ratio says little about TP "
+            "itself. What this run "
+            "checks is that the split model gives the same greedy tokens as the whole one "
+            "at this workload's scale. GPU figures (one GPU per rank, NCCL) come from "
+            "scripts/gpu_ci.sh when a multi-GPU machine is lent")
+    return result
+
+
+def write_tp_results(result: dict, name: str) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    n = result["tp"]
+    one, many, same = result["tp1"], result[f"tp{n}"], result["outputs_equal"]
+    where = (f"{result['gpus']} x {result['device']}" if result["device_type"] == "cuda"
+             else f"{result['device']}, {result['cpu_cores']} cores, "
+                  f"{result['threads_per_process']} thread(s) per process")
+    lines = [
+        f"# Tensor parallel throughput: --tp {n} vs --tp 1 ({where})", "",
+        f"commit {commit_label(result['commit'], result.get('uncommitted_source', []))}, "
+        f"{result['date']}, model {result['model']} "
+        f"({result['heads'][0]} heads, {result['heads'][1]} KV heads), {result['dtype']}, "
+        f"{result['num_requests']} requests, lengths {result['len_range'][0]}-"
+        f"{result['len_range'][1]} in and out, greedy, ignore_eos; each run is "
+        "`python -m deepinfer.generate ... --tp N` in a fresh process", "",
+        "| run | seconds | wall seconds | prompt tokens | generated tokens | tok/s "
+        "| load avg before / after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in (one, many):
+        load = "{} / {}".format(*r.get("loadavg_1min", ["?", "?"]))
+        lines.append(f"| --tp {r['tp']} | {r['seconds']:.1f} | {r['wall_seconds']:.1f} | "
+                     f"{r['prompt_tokens']} | {r['tokens']} | {r['tok_per_s']:.1f} | "
+                     f"{load} |")
+    lines += ["", f"--tp {n} / --tp 1: **{result['tp_vs_tp1']:.2f}x** (seconds: the CLI's "
+              "`done:` line, from the engine's first step to the last record; wall: the "
+              "whole command, process start-up and model loading included)", ""]
+    if same["equal"]:
+        lines.append(f"Outputs equal token for token: **yes**, all {same['requests']} "
+                     "requests.")
+    else:
+        lines.append(f"Outputs equal token for token: **no**, {same['equal_requests']} of "
+                     f"{same['requests']} requests; the others:")
+        lines += [f"- request {rid}: {why}" for rid, why in same["diverged"].items()]
+    if "note" in result:
+        lines += ["", result["note"] + "."]
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def load_hf_model(path: str, dtype: torch.dtype, device: torch.device):
     """The same weights in transformers (GGUF files are dequantized by transformers)."""
     from transformers import AutoModelForCausalLM
@@ -318,9 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default 64 (16 with --tp)")
     p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=None, help="default 256 (64 with --tp)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--hf-batch-size", default="16,32,64",
                    help="transformers batch size(s), comma-separated; the best one counts")
@@ -333,7 +527,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the workload over N data-parallel ranks (spawned)")
     p.add_argument("--pd", default=None, metavar="P:D",
                    help="also run it disaggregated: P prompt + D completion processes")
+    p.add_argument("--tp", type=int, default=1,
+                   help="instead: the workload through deepinfer-generate with --tp 1, "
+                        "then --tp N (no transformers run, no --dp/--pd)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="with --tp: OMP_NUM_THREADS of every process of both runs (0: "
+                        "inherit). Default 1 on CPU (with more torch threads than free "
+                        "cores, OpenMP's spinning makes runs many times slower and "
+                        "erratic), inherited on CUDA")
     args = p.parse_args(argv)
+    if args.tp > 1:
+        if args.dp > 1 or args.pd:
+            p.error("--tp runs alone: give --dp / --pd in another run")
+        args.num_requests = args.num_requests or 16
+        if args.threads is None:
+            args.threads = 1 if _device_type(args.device) == "cpu" else 0
+        args.max_len = args.max_len or 64
+        result = run_tp(args)
+        name = args.name or f"throughput-tp-{result['device_type']}"
+        write_tp_results(result, name)
+        print(json.dumps(result, indent=2))
+        return 0 if result["outputs_equal"]["equal"] else 1
+    args.num_requests = args.num_requests or 64
+    args.max_len = args.max_len or 256
     result = run(args)
     name = args.name or (f"throughput-{result['device_type']}"
                          + (f"-dp{args.dp}" if args.dp > 1 else "")
@@ -355,6 +571,32 @@ def test_throughput_smoke(tmp_path, monkeypatch) -> None:
     assert result["transformers"]["tokens"] == wanted
     write_results(result, "throughput-test")
     assert (tmp_path / "throughput-test.md").read_text().count("|") > 8
+
+
+def test_throughput_tp_smoke(tmp_path, monkeypatch) -> None:
+    """A tiny random checkpoint through ``deepinfer-generate --tp 1`` and ``--tp 2``: every
+    requested token, the same tokens, and the results file."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from deepinfer.random_model import build_bpe_tokenizer
+
+    monkeypatch.setattr(sys.modules[__name__], "RESULTS", str(tmp_path))
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "tiny")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir)
+    build_bpe_tokenizer().save_pretrained(model_dir)
+    args = argparse.Namespace(model=model_dir, dtype="auto", device="cpu", num_requests=3,
+                              min_len=4, max_len=8, max_num_seqs=4, seed=0, tp=2, threads=1)
+    result = run_tp(args)
+    wanted = sum(make_workload(3, 4, 8, 300, 0).max_tokens)
+    assert result["tp1"]["tokens"] == result["tp2"]["tokens"] == wanted
+    assert result["outputs_equal"]["equal"], result["outputs_equal"]
+    write_tp_results(result, "throughput-tp-test")
+    assert "equal token for token: **yes**" in (tmp_path / "throughput-tp-test.md").read_text()
 
 
 if __name__ == "__main__":

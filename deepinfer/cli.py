@@ -2,9 +2,9 @@
 
 The engine flags come from ``EngineArgs``' field declarations (one flag a field), the
 sampling defaults and job flags are declared here. Three ways to run: one engine
-(``deepinfer.jobs.one_engine``), data parallel (``--dp N`` or torchrun;
-``deepinfer.distributed.dp``) and disaggregated prefill/decode (``--pd P:D``;
-``deepinfer.distributed.pd_jobs``).
+(``deepinfer.jobs.one_engine``), data and/or tensor parallel (``--dp M``, ``--tp N`` or
+torchrun; ``deepinfer.distributed.dp`` and ``.tp``) and disaggregated prefill/decode
+(``--pd P:D``; ``deepinfer.distributed.pd_jobs``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from deepinfer.distributed.dp import dp_rank
 from deepinfer.distributed.pd import parse_pd
 from deepinfer.distributed.pd_jobs import pd_job_rank
 from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_size
+from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
+from deepinfer.loading.loader import load_config
+from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -111,6 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
         if args.dp_timeout <= 0:
             raise ValueError(f"--dp-timeout {args.dp_timeout}: expected seconds > 0")
+        tp = engine_args.tensor_parallel_size
+        if tp > 1:
+            if args.pd is not None:
+                raise ValueError(f"--pd {args.pd} and --tp {tp} cannot be combined: the "
+                                 "prefill/decode hand-off moves whole KV blocks, not shards")
+            try:
+                check_tp_size(load_config(engine_args.model), tp)
+            except ValueError as e:
+                raise ValueError(f"--tp {tp}: {e}") from None
+            dp = check_layout(args.dp, tp, world)
+            check_gpu_count(args.device, dp * tp, f"--dp {dp} --tp {tp}")
         if args.pd is not None:
             num_prompt, num_decode = parse_pd(args.pd)
             if args.dp > 1:
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--pd {args.pd} needs WORLD_SIZE={num_prompt + num_decode}"
                                  f"; the launcher set {world}")
             check_gpu_count(args.device, num_prompt + num_decode, f"--pd {args.pd}")
-        elif world > 1 and args.dp > 1 and args.dp != world:
+        elif tp == 1 and world > 1 and args.dp > 1 and args.dp != world:
             raise ValueError(f"--dp {args.dp} disagrees with WORLD_SIZE={world} set by the "
                              "launcher")
     except (ValueError, FileNotFoundError) as e:
@@ -131,6 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.pd is not None:
         return launch(pd_job_rank, num_prompt + num_decode,
                       (args, engine_args, default_params, num_prompt))
-    if args.dp > 1 or world > 1:
-        return launch(dp_rank, args.dp, (args, engine_args, default_params))
+    if args.dp > 1 or world > 1 or tp > 1:
+        return launch(dp_rank, args.dp * tp, (args, engine_args, default_params))
     return run_one_engine(args, engine_args, default_params, inputs, fmt)

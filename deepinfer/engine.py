@@ -17,19 +17,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
-from deepinfer.loading.loader import load_model, resolve_model_path
-from deepinfer.model_runner import KVCacheSpec, ModelRunner, SampledTokens, StepSampling
+from deepinfer.model_runner import SampledTokens, StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import RequestState, SampleState, SequenceExport
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
+from deepinfer.worker import TensorParallel, build_worker
 from scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
 
 
@@ -45,82 +44,33 @@ class EngineStats:
     decode_time: float = 0.0
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto``: CUDA when available, else CPU. Raises ``ValueError`` naming ``device``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected 'auto', 'cpu' or 'cuda[:N]'")
-    return dev
-
-
-def resolve_backend(name: str, device: torch.device) -> ModuleType:
-    """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets.
-
-    ``torch`` runs ``kernels.cpu_backend`` on the CPU (the reference's signatures, made fast
-    there: block gathers into a reused workspace) and the plain reference on a GPU."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        if device.type == "cpu":
-            from kernels import cpu_backend
-
-            return cpu_backend
-        from kernels import reference
-
-        return reference
-    if name == "triton":
-        import kernels
-
-        return kernels
-    raise ValueError(f"attention_backend={name!r}: expected 'auto', 'triton' or 'torch'")
-
-
 class LLMEngine:
     """Tokenizer + scheduler + model runner for one rank. ``dp_group``: the
-    ``torch.distributed`` group whose schedulers vote on each step's type (None: alone)."""
+    ``torch.distributed`` group whose schedulers vote on each step's type (None: alone).
+    ``tp``: this engine is the leader of a tensor-parallel group whose other ranks run
+    ``worker.run_follower``; ``close()`` ends them."""
 
-    def __init__(self, args: EngineArgs, dp_group=None) -> None:
+    def __init__(self, args: EngineArgs, dp_group=None,
+                 tp: TensorParallel | None = None) -> None:
         args.validate()
-        self.args = args
-        self.device = resolve_device(args.device)
-        self.backend = resolve_backend(args.attention_backend, self.device)
-        self.model_path = resolve_model_path(args.model)
-        self.model, self.model_config = load_model(
-            self.model_path, dtype=args.dtype, device=str(self.device)
-        )
-        cfg: ModelConfig = self.model_config
-        self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = load_tokenizer(self.model_path)
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:
-            # Sliding-window attention is not implemented: stay inside one window.
-            limit = min(limit, cfg.sliding_window)
-        self.max_model_len = args.max_model_len or min(limit, 8192)
-        if self.max_model_len > limit:
+        if args.tensor_parallel_size > 1 and tp is None:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} "
-                "positions (max_position_embeddings, or its sliding window)"
-            )
-        on_cuda = self.device.type == "cuda"
+                f"tensor_parallel_size={args.tensor_parallel_size}: an LLMEngine does not "
+                "start its TP ranks; use LLM(..., tensor_parallel_size=N) or "
+                "deepinfer-generate --tp N")
+        self.args = args
         engine_type = EngineType[args.engine_type.upper()]
-        spec = KVCacheSpec(
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs or (256 if on_cuda else 64),
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_cuda else 2048),
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
         # A PROMPT engine never decodes: no decode graphs to capture.
-        self.runner = ModelRunner(
-            self.model, cfg, device=self.device, dtype=self.dtype, backend=self.backend,
-            spec=spec,
-            capture_graphs=not args.enforce_eager and engine_type is not EngineType.PROMPT,
-        )
+        worker = build_worker(args, tp, capture_graphs=engine_type is not EngineType.PROMPT)
+        self.device, self.backend = worker.device, worker.backend
+        self.model_path, self.model = worker.model_path, worker.model
+        self.model_config: ModelConfig = worker.config
+        cfg = self.model_config
+        self.dtype, self.max_model_len = worker.dtype, worker.max_model_len
+        self.runner = worker.runner
+        spec = worker.spec
+        on_cuda = self.device.type == "cuda"
+        self.tokenizer = load_tokenizer(self.model_path)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,
@@ -156,6 +106,10 @@ class LLMEngine:
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
         self.runner.overlap = bool(on)
+
+    def close(self) -> None:
+        """End the run: a TP leader stops its followers. Idempotent."""
+        self.runner.close()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:

@@ -56,6 +56,9 @@ class EngineArgs:
     async_scheduling: bool | None = option(
         None, "schedule step k+1 while step k runs (default: on for CUDA, off on CPU)",
         type=bool)
+    tensor_parallel_size: int = option(
+        1, "ranks one model is split over (one GPU each on CUDA; gloo processes on CPU)",
+        flag="--tp", aliases=("--tensor-parallel-size",))
     engine_type: str = option("normal", "normal, prompt or completion", cli=False)
 
     def validate(self) -> None:
@@ -68,6 +71,9 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: expected a positive integer or None")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive integer")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size={self.block_size}: expected 8, 16, 32 or 64")
         if self.kv_cache_memory < 1:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from collections.abc import Sequence
 
+from deepinfer.distributed.tp import LLMFollowers, start_llm_followers
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.progress import RunProgress
+from deepinfer.loading.loader import load_config
+from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
@@ -23,15 +27,52 @@ class LLM:
     a local Hugging Face folder (config.json + safetensors + tokenizer) or a ``.gguf``
     file. Other keyword arguments are ``EngineArgs`` fields (``max_model_len``,
     ``max_num_seqs``, ``kv_cache_memory``, ``gpu_memory_utilization``, ``enforce_eager``...).
+
+    ``tensor_parallel_size=N`` splits the model over N ranks: this process is rank 0 (it
+    joins a ``torch.distributed`` group, so it must not be in one already) and N - 1
+    spawned processes hold the other shards, one GPU each on CUDA. ``close()`` (or the
+    end of a ``with`` block, or interpreter exit) stops them.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  attention_backend: str = "auto", **kwargs) -> None:
         args = EngineArgs(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, **kwargs)
-        self.engine = LLMEngine(args)
+        args.validate()
+        self._followers: LLMFollowers | None = None
+        self.engine: LLMEngine | None = None
+        if args.tensor_parallel_size > 1:
+            check_tp_size(load_config(args.model), args.tensor_parallel_size)
+            args, self._followers = start_llm_followers(args)
+            atexit.register(self.close)
+        try:
+            self.engine = LLMEngine(args, tp=self._followers.tp if self._followers else None)
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent; nothing to do without)."""
+        if self._followers is None:
+            return
+        followers, self._followers = self._followers, None
+        atexit.unregister(self.close)
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        except RuntimeError:
+            if followers.failure() is None:  # a dead follower cannot hear "stop": fine
+                raise
+        finally:
+            followers.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -97,7 +138,16 @@ class LLM:
         def progress() -> None:
             bar.update(len(results), stats.prompt_tokens - p0, stats.generated_tokens - g0)
 
-        for out in engine.drain(on_step=progress):
-            results[out.request_id] = out
-        bar.close()
+        try:
+            for out in engine.drain(on_step=progress):
+                results[out.request_id] = out
+        except RuntimeError as e:
+            # A collective with a dead TP rank fails with gloo's or NCCL's words: name it.
+            failure = self._followers.failure() if self._followers else None
+            if failure is None:
+                raise
+            raise RuntimeError(f"{failure}; this LLM cannot go on: close it and create "
+                               "a new one") from e
+        finally:
+            bar.close()
         return [results[rid] for rid in ids]

@@ -22,9 +22,11 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.models.attention import AttentionMetadata
+from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
 from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingTable
+from deepinfer.step_channel import FollowerStep, StepChannel
 from deepinfer.structured.bitmask import TokenMask, apply_token_mask
 
 
@@ -79,15 +81,19 @@ class KVCacheSpec:
     gpu_memory_utilization: float
 
 
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
-    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
+                   tp: TPGroup = SINGLE) -> tuple[int, ...]:
+    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, with this
+    TP rank's KV heads."""
+    heads = local_sizes(cfg, tp).num_kv_heads
+    return (cfg.num_layers, 2, num_blocks, block_size, heads, cfg.head_dim)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes over all layers, K and V."""
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                   tp: TPGroup = SINGLE) -> int:
+    """Bytes one KV block takes over all layers, K and V (this TP rank's heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return int(np.prod(kv_cache_shape(cfg, 1, block_size, tp))) * elem
 
 
 class ModelRunner:
@@ -96,6 +102,12 @@ class ModelRunner:
     ``num_blocks``: the KV cache size in blocks; None sizes it from ``spec``
     (``plan_num_blocks``). ``capture_graphs``: CUDA graphs for decode steps (CUDA only;
     a prefill-only engine never decodes and passes False).
+
+    Tensor parallelism: ``tp`` is this rank's group and ``channel`` the step broadcast.
+    The leader (TP rank 0) samples and sends each step to the others through
+    ``channel``; a follower runs the steps it receives (``follow``) on its shard and
+    holds no sampler state. Every rank sizes its cache the same way and the group takes
+    the smallest block count, so block ids mean the same on every rank.
     """
 
     def __init__(
@@ -109,8 +121,12 @@ class ModelRunner:
         spec: KVCacheSpec,
         num_blocks: int | None = None,
         capture_graphs: bool = False,
+        tp: TPGroup = SINGLE,
+        channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp
+        self.channel = channel
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -118,7 +134,9 @@ class ModelRunner:
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
         self.sampler = Sampler()
-        self.states = Sampler.make_state(spec.max_num_seqs, cfg.vocab_size, device)
+        # A follower never samples: one row keeps the shapes valid.
+        self.states = Sampler.make_state(spec.max_num_seqs if tp.leader else 1,
+                                         cfg.vocab_size, device)
         self.sampling_table = SamplingTable(spec.max_num_seqs, cfg.vocab_size)
         self._cached_sampling: tuple[np.ndarray, int, SamplingTensors] | None = None
         # Each slot's latest sampled id, on the device: a decode input whose token was
@@ -137,11 +155,12 @@ class ModelRunner:
         self._host_index = 0
         if num_blocks is None:
             num_blocks = self.plan_num_blocks(spec)
-        self.num_blocks = num_blocks
+        self.num_blocks = tp.min_int(num_blocks)
         # Not zeroed: every kernel reads only slots written this run (unwritten ones are
         # masked out, tested with NaN-poisoned caches), and zeroing a GiB costs ~0.5 s.
         self.kv_cache = torch.empty(
-            kv_cache_shape(cfg, num_blocks, spec.block_size), dtype=dtype, device=device
+            kv_cache_shape(cfg, self.num_blocks, spec.block_size, tp), dtype=dtype,
+            device=device
         )
         self.graphs: DecodeGraphRunner | None = None
         if device.type == "cuda" and capture_graphs:
@@ -156,7 +175,7 @@ class ModelRunner:
     def plan_num_blocks(self, spec: KVCacheSpec) -> int:
         """KV blocks that fit the budget of ``spec`` (see ``KVCacheSpec``). Raises
         ``ValueError`` naming the options to raise when fewer than 2 fit."""
-        block_bytes = kv_block_bytes(self.cfg, spec.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.cfg, spec.block_size, self.dtype, self.tp)
         useful = spec.max_num_seqs * -(-spec.max_model_len // spec.block_size) + 1
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget(spec)
@@ -182,8 +201,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        cache = torch.zeros(kv_cache_shape(self.cfg, n_blocks, bs), dtype=self.dtype,
-                            device=dev)
+        cache = torch.zeros(kv_cache_shape(self.cfg, n_blocks, bs, self.tp),
+                            dtype=self.dtype, device=dev)
         meta = AttentionMetadata(
             is_prompt=True,
             slot_mapping=torch.arange(tokens, device=dev),
@@ -200,10 +219,12 @@ class ModelRunner:
             picked = torch.arange(rows, device=dev) % tokens
             logits = self.model.compute_logits(hidden[picked])
             del hidden
-            every = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05,
-                                   repetition_penalty=1.1, presence_penalty=0.1, logprobs=5)
-            st = SamplingTensors.from_params([every] * rows, self.cfg.vocab_size, dev)
-            self.sampler.sample(logits, st, torch.arange(rows, device=dev), self.states)
+            if logits is not None:  # None on a TP follower, which does not sample
+                every = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05,
+                                       repetition_penalty=1.1, presence_penalty=0.1,
+                                       logprobs=5)
+                st = SamplingTensors.from_params([every] * rows, self.cfg.vocab_size, dev)
+                self.sampler.sample(logits, st, torch.arange(rows, device=dev), self.states)
             del logits
         torch.cuda.synchronize(dev)
         cache_bytes = cache.numel() * cache.element_size()
@@ -288,6 +309,9 @@ class ModelRunner:
         ``last_sampled`` on the device.
         """
         b = out.batch
+        ids_in_flight = self._has_placeholders(out.is_prompt, b)
+        if self.channel is not None and (b.num_tokens or out.clone_blocks.numel()):
+            self.channel.send_step(out, ids_in_flight)
         if out.clone_blocks.numel():
             self.backend.clone_blocks(self.kv_cache, self._to_device(out.clone_blocks))
         if out.zero_states.numel():
@@ -305,7 +329,15 @@ class ModelRunner:
         if out.num_samples == 0 and b.num_tokens == 0:
             return SampledTokens(None, None)
 
-        hidden = self._run_model(out)
+        ids = None
+        if ids_in_flight:
+            # Tokens of the step launched before this one, still in flight on the host.
+            dev_ids = self._to_device(b.input_ids)
+            ids = torch.where(dev_ids < 0, self.last_sampled[self._to_device(b.state_slots)],
+                              dev_ids)
+            if self.channel is not None:
+                self.channel.send_ids(ids)
+        hidden = self._run_model(out.is_prompt, b, ids)
         if out.num_samples == 0:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
             return SampledTokens(None, None)
@@ -350,19 +382,38 @@ class ModelRunner:
         self._cached_sampling = None if per_step else (slots.copy(), table.version, st)
         return st
 
-    def _run_model(self, out) -> torch.Tensor:
-        b = out.batch
-        ids = None
-        if (self.overlap and not out.is_prompt and b.num_tokens
-                and int(b.input_ids.numpy().min()) < 0):
-            # Tokens of the step launched before this one, still in flight on the host.
-            dev_ids = self._to_device(b.input_ids)
-            ids = torch.where(dev_ids < 0, self.last_sampled[self._to_device(b.state_slots)],
-                              dev_ids)
-        if not out.is_prompt and self.graphs is not None and self.graphs.can_run(b):
+    def _has_placeholders(self, is_prompt: bool, b) -> bool:
+        """Whether a decode input is a placeholder for a token still in flight."""
+        return bool(self.overlap and not is_prompt and b.num_tokens
+                    and int(b.input_ids.numpy().min()) < 0)
+
+    @torch.inference_mode()
+    def follow(self, step: FollowerStep) -> None:
+        """A TP follower's side of one of the leader's steps: the same copy-on-write
+        copies and forward on this rank's shard, and its part of the logits gather."""
+        if step.clone_blocks.numel():
+            self.backend.clone_blocks(self.kv_cache, self._to_device(step.clone_blocks))
+        b = step.batch
+        if b.num_tokens == 0:
+            return
+        ids = self.channel.recv_ids(b.num_tokens, self.device) if step.ids_on_device else None
+        hidden = self._run_model(step.is_prompt, b, ids)
+        if b.logits_indices.numel():
+            self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
+
+    def close(self) -> None:
+        """A TP leader tells its followers that the run is over (nothing otherwise)."""
+        channel, self.channel = self.channel, None
+        if channel is not None and self.tp.leader:
+            channel.send_stop()
+
+    def _run_model(self, is_prompt: bool, b, ids: torch.Tensor | None) -> torch.Tensor:
+        """The forward over launch batch ``b``; ``ids``: resolved input ids on the
+        device (None: ``b.input_ids``)."""
+        if not is_prompt and self.graphs is not None and self.graphs.can_run(b):
             return self.graphs.run(b, ids)
         meta = AttentionMetadata(
-            is_prompt=out.is_prompt,
+            is_prompt=is_prompt,
             slot_mapping=self._to_device(b.slot_mapping),
             block_tables=self._to_device(b.block_tables),
             seq_lens=self._to_device(b.seq_lens),

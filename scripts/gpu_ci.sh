@@ -163,6 +163,18 @@ export -f e2e
 export PY MODEL_DIR
 step e2e-throughput 200 bash -c e2e
 
+# Tensor parallelism needs a GPU per rank (NCCL refuses two ranks on one GPU): with one
+# GPU the TP layers run at size 1 inside the runs above; with two or more, --tp 1 vs 2.
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    e2e_tp() {
+        "$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --tp 2 \
+            --num-requests 256 --min-len 100 --max-len 1024 --name throughput-tp-cuda \
+            && cp benchmarks/results/throughput-tp-cuda.* "$OUT/results/"
+    }
+    export -f e2e_tp
+    step e2e-tp 200 bash -c e2e_tp
+fi
+
 # The compile grid had the whole run to finish; its own timeout bounds this wait.
 wait "$COMPILE_PID"
 read -r crc csecs < "$OUT/logs/compile-grid.rc" 2>/dev/null || { crc=1; csecs=0; }

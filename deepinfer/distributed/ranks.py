@@ -133,10 +133,10 @@ def comm_device(device: str) -> torch.device:
 
 
 def allreduce_ints(values: list[int], device: torch.device,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[int]:
-    """All-reduce a short list of ints over the default group."""
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, group: Any = None) -> list[int]:
+    """All-reduce a short list of ints over ``group`` (None: the default group)."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
@@ -203,7 +203,9 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         sys.exit(EXIT_RANK_FAILED)
     if local_rank == 0:
-        result_queue.put(result)  # SimpleQueue: written to the pipe before put returns
+        # Blocks until the launcher reads it when it is larger than the pipe's buffer:
+        # the launcher polls the queue while it waits for the ranks.
+        result_queue.put(result)
     # Skip interpreter teardown: its records are flushed and closed, and gloo's worker
     # threads can abort a process whose C++ state is destroyed at exit (a rare SIGABRT).
     sys.stdout.flush()
@@ -238,9 +240,12 @@ def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any
             if procs[i].exitcode != 0:
                 failed.append(i)
 
+    got: list[Any] = []
     try:
         while alive and not failed:
             reap(1.0)
+            if not got and not results.empty():
+                got.append(results.get())
         # The root cause and the ranks that saw its connection close fail within
         # milliseconds of each other: collect them before choosing whom to blame.
         deadline = time.monotonic() + 2.0
@@ -249,7 +254,9 @@ def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any
     finally:
         _stop(procs)
     if not failed:
-        return None if results.empty() else results.get()
+        if not got and not results.empty():
+            got.append(results.get())
+        return got[0] if got else None
     root = next((i for i in failed if procs[i].exitcode != EXIT_RANK_FAILED), failed[0])
     code = procs[root].exitcode
     what = f"rank {root} exited with code {code}"

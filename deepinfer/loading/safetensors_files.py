@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -46,13 +46,27 @@ def count_tensors(files: list[str]) -> int:
     return total
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+#: ``name -> (dim, start, length)`` of the part of a tensor to read, or None: all of it.
+ShardFn = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors(files: list[str], shard: ShardFn | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from each shard, memory-mapped on the CPU, checkpoint dtype.
 
-    The caller copies each one into its parameter (which casts dtype and moves device),
-    so at most one tensor's worth of extra memory is live.
+    ``shard``: a tensor-parallel rank's slice of each tensor, cut with ``get_slice``: a
+    cut along rows reads only those rows; a cut along columns reads every row but keeps
+    only its columns. The caller copies each one into its parameter (which casts dtype
+    and moves device) and keeps no reference to the file, so a rank's memory ends up
+    holding its shard, with at most one tensor's worth of extra memory live on the way.
     """
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                cut = shard(name) if shard is not None else None
+                if cut is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = cut
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, f.get_slice(name)[index]

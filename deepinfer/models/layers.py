@@ -1,5 +1,5 @@
-"""Building blocks of the decoder: Linear and Embedding without random init, RMSNorm,
-rotary embedding, SiLU-and-mul, the gated (SwiGLU) MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul, the gated
+(SwiGLU) MLP (Linear and Embedding without random init live in ``parallel_layers``).
 
 Each one reproduces the Hugging Face op bit-for-bit in the same dtype (same order of
 float operations), so fp32 logits match transformers to rounding.
@@ -14,21 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose weights are only ever filled from a checkpoint: no random init
-    (on the meta device it would also pull in torch's decompositions, seconds of
-    imports at start-up)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` without random init (see ``Linear``)."""
-
-    def reset_parameters(self) -> None:
-        pass
+from deepinfer.models.parallel_layers import Linear, RowParallelLinear
+from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -55,13 +42,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one Linear
-    (``gate_up_proj``: gate rows, then up rows)."""
+    (``gate_up_proj``: gate rows, then up rows). Under tensor parallelism
+    ``intermediate_size`` is this rank's share: gate/up column-parallel, down
+    row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor, backend: Any = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` (``backend`` unused: the decoder layer

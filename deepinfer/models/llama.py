@@ -23,14 +23,7 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.models.attention import Attention, AttentionMetadata
-from deepinfer.models.layers import (
-    Embedding,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-)
+from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from deepinfer.models.moe import (
     SparseMoeBlock,
     canonical_moe_name,
@@ -38,23 +31,36 @@ from deepinfer.models.moe import (
     is_expert_tensor,
     load_expert_tensor,
 )
+from deepinfer.models.parallel_layers import (
+    Linear,
+    RowParallelLinear,
+    ShardedRMSNorm,
+    VocabParallelEmbedding,
+)
+from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection.
+    Under tensor parallelism it holds this rank's heads (qkv column-parallel, o_proj
+    row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        sizes = local_sizes(cfg, tp)
+        self.num_heads, self.num_kv_heads = sizes.num_heads, sizes.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, tp=tp)
         self.full_width_norm = cfg.qk_norm_full_width
         self.clip_qkv = cfg.clip_qkv
-        if cfg.qk_norm_full_width:  # OLMoE: over all heads at once
+        if cfg.qk_norm_full_width and tp.size > 1:  # OLMoE split: statistics all-reduced
+            self.q_norm = ShardedRMSNorm(self.q_size, cfg.rms_norm_eps, tp)
+            self.k_norm = ShardedRMSNorm(self.kv_size, cfg.rms_norm_eps, tp)
+        elif cfg.qk_norm_full_width:  # OLMoE: over all heads at once
             self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
         elif cfg.qk_norm:
@@ -62,7 +68,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
@@ -92,11 +98,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is the
     dense gated MLP or, on the config's sparse layers, a :class:`SparseMoeBlock`."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp: nn.Module = (SparseMoeBlock(cfg) if cfg.is_moe_layer(layer)
-                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(layer)
+            else GatedMLP(cfg.hidden_size, local_sizes(cfg, tp).intermediate_size, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -110,24 +117,33 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's ``model.*`` submodule)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        sizes = local_sizes(cfg, tp)
+        self.embed_tokens = VocabParallelEmbedding(sizes.vocab_size, cfg.hidden_size,
+                                                   sizes.vocab_start, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """The full causal LM: ``forward`` gives final hidden states, ``compute_logits`` the
-    vocabulary scores of the rows the caller selects (usually one per sequence)."""
+    vocabulary scores of the rows the caller selects (usually one per sequence).
+
+    ``tp``: this rank's TP group; the layers then hold this rank's shard
+    (:mod:`deepinfer.models.tensor_parallel`), ``forward`` must run on every rank of the
+    group with the same inputs, and ``compute_logits`` returns the whole vocabulary on
+    the group's leader only."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, local_sizes(cfg, tp).vocab_size, bias=False)
         # Explicit device: the loader builds the layers on "meta", the cache must be real.
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
@@ -162,14 +178,22 @@ class LlamaForCausalLM(nn.Module):
             x = layer(cos_sin, x, kv_cache[i], meta, backend)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32 (None on a
+        TP rank other than the leader: the vocabulary shards are gathered there)."""
+        logits = self.tp.gather_to_leader(F.linear(hidden, self.lm_head_weight))
+        return None if logits is None else logits.float()
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     adopt: bool = False) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names
-        that were written. Unknown names raise ``ValueError`` naming the tensor."""
+        that were written. Unknown names raise ``ValueError`` naming the tensor.
+
+        ``adopt``: the tensors own their memory (dequantized GGUF weights), so one that
+        fits a parameter exactly becomes it instead of being copied. Never for tensors
+        over a memory-mapped file: adopting one keeps the whole file mapped (and every
+        page read from it resident) for the model's life."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -179,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: some checkpoints still store a copy of the embedding
             name = canonical_moe_name(name)
             if is_expert_tensor(name):
-                loaded.update(load_expert_tensor(params, name, tensor))
+                loaded.update(load_expert_tensor(params, name, tensor, self.tp))
                 continue
             target, offset = self._fused_target(name)
             param = params.get(target)
@@ -191,12 +215,11 @@ class LlamaForCausalLM(nn.Module):
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
-            if (offset is None and tensor.dtype == dst.dtype and tensor.device == dst.device
-                    and tensor.is_contiguous()
+            if (adopt and offset is None and tensor.dtype == dst.dtype
+                    and tensor.device == dst.device and tensor.is_contiguous()
                     and tensor.untyped_storage().nbytes() == dst.numel() * dst.element_size()):
-                # A tensor that owns exactly its memory (a dequantized GGUF weight, not a
-                # view into a memory-mapped shard) is adopted: copying would touch every
-                # page twice, a second of the default model's start-up.
+                # Copying would touch every page twice, a second of the default model's
+                # start-up.
                 param.data = tensor
             else:
                 dst.copy_(tensor)
@@ -214,8 +237,8 @@ class LlamaForCausalLM(nn.Module):
             elif ".gate_up_proj." in name:
                 keys |= {f"{name}#0", f"{name}#{param.shape[0] // 2}"}
             elif name.endswith((".mlp.w13", ".mlp.w2")):
-                keys.update(expert_weight_keys(name, cfg.num_experts,
-                                               cfg.moe_intermediate_size))
+                keys.update(expert_weight_keys(
+                    name, cfg.num_experts, local_sizes(cfg, self.tp).moe_intermediate_size))
             else:
                 keys.add(name)
         return keys
@@ -223,13 +246,14 @@ class LlamaForCausalLM(nn.Module):
     def _fused_target(self, name: str) -> tuple[str, int | None]:
         """HF name -> (our parameter name, row offset inside a fused parameter or None)."""
         a = self.model.layers[0].self_attn if len(self.model.layers) else None
+        sizes = local_sizes(self.config, self.tp)
         for proj, fused, offset in (
             ("q_proj", "qkv_proj", 0),
             ("k_proj", "qkv_proj", a.q_size if a else 0),
             ("v_proj", "qkv_proj", (a.q_size + a.kv_size) if a else 0),
             ("gate_proj", "gate_up_proj", 0),
-            ("up_proj", "gate_up_proj", self.config.shared_expert_intermediate_size
-             if ".shared_expert." in name else self.config.intermediate_size),
+            ("up_proj", "gate_up_proj", sizes.shared_expert_intermediate_size
+             if ".shared_expert." in name else sizes.intermediate_size),
         ):
             marker = f".{proj}."
             if marker in name:

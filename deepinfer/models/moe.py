@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
-from deepinfer.models.layers import GatedMLP, Linear
+from deepinfer.models.layers import GatedMLP
+from deepinfer.models.parallel_layers import Linear
+from deepinfer.models.tensor_parallel import (
+    SINGLE,
+    TPGroup,
+    local_sizes,
+    stacked_gate_up_shard,
+)
 
 #: Per-expert tensor name -> (block prefix, expert, projection).
 _PER_EXPERT = re.compile(
@@ -38,11 +45,17 @@ _PROJ = {"gate_proj": ("w13", False), "w1": ("w13", False),
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + top-k SwiGLU experts (+ optional sigmoid-gated shared expert)."""
+    """Router + top-k SwiGLU experts (+ optional sigmoid-gated shared expert).
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism every rank holds all experts, each over its block of the
+    intermediate size (w13 rows, w2 columns), and the shared expert likewise; the router
+    is whole. The partial sums of both are all-reduced once, at the end."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        sizes = local_sizes(cfg, tp)
+        e, i, h = cfg.num_experts, sizes.moe_intermediate_size, cfg.hidden_size
+        self.tp = tp
         self.num_experts, self.top_k = e, cfg.num_experts_per_tok
         self.intermediate_size = i
         self.renormalize = cfg.norm_topk_prob
@@ -50,7 +63,8 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         if cfg.shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(h, cfg.shared_expert_intermediate_size)
+            # No all-reduce of its own: its partial sum joins the experts'.
+            self.shared_expert = GatedMLP(h, sizes.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -61,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -85,14 +99,16 @@ def expert_weight_keys(param_name: str, num_experts: int, intermediate: int) -> 
 
 
 def load_expert_tensor(params: dict[str, nn.Parameter], name: str,
-                       tensor: torch.Tensor) -> list[str]:
+                       tensor: torch.Tensor, tp: TPGroup = SINGLE) -> list[str]:
     """Copy expert tensor ``name`` into its stacked parameter; returns the load keys it
     filled (see :func:`expert_weight_keys`). ``ValueError`` naming the tensor when it has
     no place (e.g. a dense layer) or the wrong shape.
 
     Per-expert: gate/w1 ``[I, H]`` -> ``w13[e, :I]``, up/w3 ``[I, H]`` -> ``w13[e, I:]``,
     down/w2 ``[H, I]`` -> ``w2[e]``. Stacked: ``gate_up_proj [E, 2I, H]`` -> ``w13``,
-    ``down_proj [E, H, I]`` -> ``w2``. Copies convert to the parameter's dtype.
+    ``down_proj [E, H, I]`` -> ``w2``. Copies convert to the parameter's dtype. Under
+    tensor parallelism the loader already cut every tensor to this rank's share except a
+    stacked ``gate_up_proj`` (two blocks, one per half), cut here.
     """
     m = _PER_EXPERT.match(name)
     if m is not None:
@@ -115,6 +131,8 @@ def load_expert_tensor(params: dict[str, nn.Parameter], name: str,
     if m is None:
         raise ValueError(f"checkpoint tensor {name!r} is not an expert weight")
     is_w13 = m["proj"] == "gate_up_proj"
+    if is_w13:
+        tensor = stacked_gate_up_shard(tensor, tp)
     target = f"{m['block']}.{'w13' if is_w13 else 'w2'}"
     param = _param(params, target, name)
     _copy(param.data, tensor, name)

@@ -1,3 +1,4 @@
-"""DP tests reuse the engine tests' tiny random checkpoints (session-scoped)."""
+"""DP/TP tests reuse the engine tests' tiny random checkpoints and the default model
+(session-scoped)."""
 
-from tests.engine.conftest import tiny_checkpoints  # noqa: F401
+from tests.engine.conftest import smollm2_path, tiny_checkpoints  # noqa: F401

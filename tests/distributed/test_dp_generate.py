@@ -21,14 +21,22 @@ import torch.distributed as dist
 from deepinfer.distributed.ranks import EXIT_RANK_FAILED, free_port
 from deepinfer.generate import main
 from deepinfer.jobs.parts import list_part_files
+from tests.distributed.run_files import (
+    ENV,
+    LONG,
+    ROOT,
+    check_completed,
+    children,
+    long_run_input,
+    read_lines,
+    valid_part_lines,
+    wait_for_record,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-ROOT = str(Path(__file__).resolve().parents[2])
-# Ranks share 2 cores with everything else: one thread each.
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-LONG = "the quick brown fox jumps over the lazy dog"  # 33 tokens
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +46,10 @@ def model_args(tiny_checkpoints) -> list[str]:
             "--no-progress"]
 
 
-def _lines(path) -> list[str]:
-    with open(path) as f:
-        return f.read().splitlines()
-
-
-def _write_jsonl(path, records: list) -> None:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
-                            for r in records))
-
-
 def _one_rank(tmp_path, inp, model_args) -> tuple[int, list[str]]:
     out = tmp_path / "one.jsonl"
     rc = main(["--input", str(inp), "--output", str(out), *model_args])
-    return rc, _lines(out)
+    return rc, read_lines(out)
 
 
 def _same_records(dp_lines: list[str], one_lines: list[str], input_ids: list[str]) -> None:
@@ -76,7 +74,7 @@ def test_dp2_unequal_loads_and_error_records(tmp_path, model_args, capfd):
         {"id": "n2", "prompt": "once upon", "n": 2, "temperature": 1.0, "seed": 3},
     ]
     inp = tmp_path / "in.jsonl"
-    _write_jsonl(inp, records)
+    write_jsonl(inp, records)
     ids = [r["id"] if isinstance(r, dict) else "9" for r in records]
     rc1, one = _one_rank(tmp_path, inp, model_args)
     out = tmp_path / "dp.jsonl"
@@ -85,7 +83,7 @@ def test_dp2_unequal_loads_and_error_records(tmp_path, model_args, capfd):
     err = capfd.readouterr().err  # the spawned ranks write to the inherited stderr
     assert (rc1, rc) == (1, 1), err
     assert "done: 10 requests ok, 4 failed" in err, err  # summed over the ranks
-    _same_records(_lines(out), one, ids)
+    _same_records(read_lines(out), one, ids)
     assert list_part_files(str(out)) == []
 
 
@@ -97,7 +95,7 @@ def test_dp3_more_ranks_than_prompts(tmp_path, model_args):
     out = tmp_path / "dp.jsonl"
     rc = main(["--input", str(inp), "--output", str(out), "--dp", "3", *model_args])
     assert (rc1, rc) == (0, 0)
-    _same_records(_lines(out), one, ["1", "2"])
+    _same_records(read_lines(out), one, ["1", "2"])
 
 
 def _torchrun_style(world: int, argv: list[str], log_dir: Path) -> list[subprocess.Popen]:
@@ -131,48 +129,9 @@ def test_torchrun_style_launch_resumes_leftovers(tmp_path, model_args):
                             tmp_path)
     codes = [p.wait(timeout=120) for p in procs]
     assert codes == [0, 0], (tmp_path / "rank0.log").read_text()
-    _same_records(_lines(out), one, [str(i) for i in range(1, 7)])
+    _same_records(read_lines(out), one, [str(i) for i in range(1, 7)])
     assert "resuming: 2 of 6 records" in (tmp_path / "rank0.log").read_text()
     assert list_part_files(str(out)) == []
-
-
-def _long_run_input(tmp_path) -> Path:
-    """Each rank gets a quick record first, then long ones (one sequence at a time)."""
-    records = []
-    for i in range(6):
-        quick = i in (0, 1)
-        records.append({"id": f"r{i}", "prompt": "hello world" if quick else LONG,
-                        "max_tokens": 2 if quick else 150, "ignore_eos": True})
-    inp = tmp_path / "in.jsonl"
-    _write_jsonl(inp, records)
-    return inp
-
-
-def _wait_for_record(path: Path, procs, deadline_s: float = 90) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        if path.exists() and path.read_text().count("\n") >= 1:
-            return
-        assert all(p.poll() is None for p in procs), "a rank ended before the kill"
-        time.sleep(0.02)
-    raise AssertionError(f"no record in {path}")
-
-
-def _check_completed(out: Path, expect_kept: list[str]) -> None:
-    lines = _lines(out)
-    recs = [json.loads(x) for x in lines]
-    assert [r["id"] for r in recs] == [f"r{i}" for i in range(6)]  # one each, in order
-    for r in recs:
-        assert len(r["outputs"][0]["token_ids"]) == (2 if r["id"] in ("r0", "r1") else 150)
-    assert set(expect_kept) <= set(lines)  # what the killed run wrote stays as it was
-    assert list_part_files(str(out)) == []
-
-
-def _valid_part_lines(out: Path) -> list[str]:
-    kept = []
-    for part in list_part_files(str(out)):
-        kept += [x for x in Path(part).read_text().split("\n")[:-1]]
-    return kept
 
 
 LONG_ARGS = ["--max-model-len", "256", "--max-num-seqs", "1", "--dp-timeout", "20"]
@@ -181,12 +140,12 @@ LONG_ARGS = ["--max-model-len", "256", "--max-num-seqs", "1", "--dp-timeout", "2
 def test_torchrun_rank_killed_then_rerun(tmp_path, model_args):
     """SIGKILL rank 1 once it wrote a record: rank 0 fails fast (gloo sees the closed
     peer; at worst --dp-timeout), naming itself; a --dp 1 rerun completes the file."""
-    inp = _long_run_input(tmp_path)
+    inp = long_run_input(tmp_path)
     out = tmp_path / "out.jsonl"
     procs = _torchrun_style(2, ["--input", str(inp), "--output", str(out), *model_args,
                                 *LONG_ARGS], tmp_path)
     try:
-        _wait_for_record(tmp_path / "out.jsonl.part1", procs)
+        wait_for_record(tmp_path / "out.jsonl.part1", procs)
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         code0 = procs[0].wait(timeout=40)
@@ -198,45 +157,26 @@ def test_torchrun_rank_killed_then_rerun(tmp_path, model_args):
     log0 = (tmp_path / "rank0.log").read_text()
     assert code0 == EXIT_RANK_FAILED, log0
     assert "rank 0: a collective failed" in log0
-    kept = _valid_part_lines(out)
+    kept = valid_part_lines(out)
     assert kept
     assert main(["--input", str(inp), "--output", str(out), *model_args,
                  "--max-model-len", "256"]) == 0
-    _check_completed(out, kept)
-
-
-def _children(pid: int) -> list[int]:
-    """Child pids of ``pid``, oldest first (spawned ranks start in rank order)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and b"multiprocessing-fork" in cmd \
-                and b"resource_tracker" not in cmd:
-            kids.append((int(fields[19]), int(entry)))  # (start time, pid)
-    return [p for _, p in sorted(kids)]
+    check_completed(out, kept)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_spawned_rank_killed_is_named_then_rerun(tmp_path, model_args):
     """``--dp 2``: the launcher names the dead rank and its exit code and stops the
     other; a rerun completes the file."""
-    inp = _long_run_input(tmp_path)
+    inp = long_run_input(tmp_path)
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "deepinfer.generate", "--input", str(inp), "--output",
             str(out), "--dp", "2", *model_args, *LONG_ARGS]
     launcher = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        _wait_for_record(tmp_path / "out.jsonl.part1", [launcher])
-        ranks = _children(launcher.pid)
+        wait_for_record(tmp_path / "out.jsonl.part1", [launcher])
+        ranks = children(launcher.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=40)
@@ -244,7 +184,7 @@ def test_spawned_rank_killed_is_named_then_rerun(tmp_path, model_args):
         launcher.kill()
     assert launcher.returncode == EXIT_RANK_FAILED, err
     assert "rank 1 exited with code -9 (SIGKILL)" in err
-    kept = _valid_part_lines(out)
+    kept = valid_part_lines(out)
     assert main(["--input", str(inp), "--output", str(out), *model_args,
                  "--max-model-len", "256"]) == 0
-    _check_completed(out, kept)
+    check_completed(out, kept)

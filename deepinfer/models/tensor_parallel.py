@@ -1,0 +1,204 @@
+"""Tensor parallelism inside one model: who this rank is in its TP group, which slice of
+each checkpoint tensor it holds, and the two collectives the layers need.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank holds a block of
+output rows: its heads, its share of the intermediate size), o_proj and down_proj are
+row-parallel (the matching block of input columns, partial sums all-reduced), the
+embedding and the LM head are vocab-parallel (a block of vocabulary rows). When the TP
+size exceeds the number of KV heads, KV heads are replicated: rank ``r`` holds KV head
+``r // (tp / num_kv_heads)``, the one its query heads read. Norms, RoPE and routers are
+whole on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group. ``group``: the
+    ``torch.distributed`` group of the device collectives (NCCL on CUDA, gloo on CPU;
+    None when ``size == 1``). Rank 0 of the group schedules and samples."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place (the identity when alone)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the group (host int)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64,
+                         device=_collective_device(self.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def gather_to_leader(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x [N, C]`` from every rank -> ``[N, size * C]`` (rank order along the last
+        dim) on the leader, None on the others."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.leader else None
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather(x, parts, dst=dst, group=self.group)
+        return torch.cat(parts, dim=-1) if self.leader else None
+
+
+SINGLE = TPGroup()
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where a group's tensors live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- sizes
+def tp_size_errors(cfg: ModelConfig, tp: int) -> list[str]:
+    """What keeps ``cfg`` from splitting over ``tp`` ranks (empty: it splits)."""
+    if tp == 1:
+        return []
+    errors = []
+
+    def need(name: str, value: int) -> None:
+        if value % tp:
+            errors.append(f"{name}={value} is not divisible by {tp}")
+
+    need("num_attention_heads", cfg.num_heads)
+    if tp <= cfg.num_kv_heads:
+        need("num_key_value_heads", cfg.num_kv_heads)
+    elif tp % cfg.num_kv_heads:
+        errors.append(f"{tp} ranks cannot share num_key_value_heads={cfg.num_kv_heads} "
+                      f"evenly (a KV head is replicated only when the TP size is a "
+                      f"multiple of it)")
+    need("intermediate_size", cfg.intermediate_size)
+    need("vocab_size", cfg.vocab_size)
+    if cfg.num_experts:
+        need("moe_intermediate_size", cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            need("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)
+    return errors
+
+
+def check_tp_size(cfg: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` naming each dimension that does not split over ``tp`` ranks
+    and the TP sizes that would work."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive integer")
+    errors = tp_size_errors(cfg, tp)
+    if errors:
+        ok = [t for t in range(1, cfg.num_heads + 1) if not tp_size_errors(cfg, t)]
+        raise ValueError(f"tensor_parallel_size={tp} does not fit {cfg.architecture}: "
+                         f"{'; '.join(errors)}. Sizes that work: "
+                         f"{', '.join(map(str, ok))}")
+
+
+@dataclass(frozen=True)
+class LocalSizes:
+    """The per-rank sizes of a model split over a TP group."""
+
+    num_heads: int
+    num_kv_heads: int
+    kv_head_start: int  # first global KV head this rank holds
+    intermediate_size: int
+    vocab_size: int
+    vocab_start: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+
+def local_sizes(cfg: ModelConfig, tp: TPGroup) -> LocalSizes:
+    """This rank's share (``check_tp_size`` must have passed)."""
+    n, r = tp.size, tp.rank
+    if n <= cfg.num_kv_heads:
+        kv = cfg.num_kv_heads // n
+        kv_start = r * kv
+    else:  # replicated: the KV head that this rank's query heads read
+        kv, kv_start = 1, r // (n // cfg.num_kv_heads)
+    vocab = cfg.vocab_size // n
+    return LocalSizes(cfg.num_heads // n, kv, kv_start, cfg.intermediate_size // n,
+                      vocab, r * vocab, cfg.moe_intermediate_size // n,
+                      cfg.shared_expert_intermediate_size // n)
+
+
+# ---------------------------------------------------------------------------- shards
+#: Checkpoint name pattern -> (split dim, what is split); the first match wins, so the
+#: expert and shared-expert projections come before the dense MLP's.
+_SPLITS = tuple((re.compile(p), dim, what) for p, dim, what in (
+    (r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$", 0, "expert"),
+    (r"\.experts\.\d+\.(down_proj|w2)\.weight$", 1, "expert"),
+    (r"\.experts\.down_proj(\.weight)?$", 2, "expert"),  # stacked [E, H, I]
+    (r"\.shared_expert\.(gate_proj|up_proj)\.weight$", 0, "shared"),
+    (r"\.shared_expert\.down_proj\.weight$", 1, "shared"),
+    (r"\.q_proj\.", 0, "q"), (r"\.k_proj\.", 0, "kv"), (r"\.v_proj\.", 0, "kv"),
+    (r"\.q_norm\.weight$", 0, "q_wide"), (r"\.k_norm\.weight$", 0, "kv_wide"),
+    (r"\.o_proj\.weight$", 1, "q"),
+    (r"\.(gate_proj|up_proj)\.weight$", 0, "ffn"), (r"\.down_proj\.weight$", 1, "ffn"),
+    (r"embed_tokens\.weight$", 0, "vocab"), (r"^lm_head\.weight$", 0, "vocab"),
+))
+
+
+def shard_slice(name: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | None:
+    """``(dim, start, length)`` of checkpoint tensor ``name`` (HF naming) that this rank
+    holds, or None when every rank holds it whole."""
+    if tp.size == 1:
+        return None
+    sizes = local_sizes(cfg, tp)
+    d = cfg.head_dim
+    for pattern, dim, what in _SPLITS:
+        if not pattern.search(name):
+            continue
+        if what.endswith("_wide"):
+            if not cfg.qk_norm_full_width:
+                return None  # a per-head norm [head_dim]: whole on every rank
+            what = what[:-5]
+        if what == "q":
+            return dim, tp.rank * sizes.num_heads * d, sizes.num_heads * d
+        if what == "kv":
+            return dim, sizes.kv_head_start * d, sizes.num_kv_heads * d
+        n = {"ffn": sizes.intermediate_size, "expert": sizes.moe_intermediate_size,
+             "shared": sizes.shared_expert_intermediate_size}.get(what)
+        if n is not None:
+            return dim, tp.rank * n, n
+        return dim, sizes.vocab_start, sizes.vocab_size
+    return None
+
+
+def stacked_gate_up_shard(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's rows of a stacked expert ``gate_up_proj [E, 2I, H]``: its block of the
+    gate half and the same block of the up half -> ``[E, 2I / tp, H]``."""
+    if tp.size == 1:
+        return tensor
+    inter = tensor.shape[1] // 2
+    n = inter // tp.size
+    lo = tp.rank * n
+    return torch.cat([tensor[:, lo:lo + n], tensor[:, inter + lo:inter + lo + n]], dim=1)
+
+
+def take_shard(tensor: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """The ``shard_slice`` part of a whole tensor, owning its memory (so the whole one can
+    be freed)."""
+    if cut is None:
+        return tensor
+    dim, start, length = cut
+    return tensor.narrow(dim, start, length).clone()
