@@ -520,8 +520,9 @@ def notes(data: dict[str, Any]) -> list[str]:
         "Latency: from the leader's stamp just before it starts sending to the stamp of "
         "the last follower holding the rebuilt `LaunchBatch` (one CLOCK_MONOTONIC for all "
         "processes), median and p90 over the timed steps, in µs. Send: the leader's own "
-        "call (gloo: `StepChannel.send_step`, two `dist.broadcast`s; shm: header + payload "
-        "write + counter store; the wait for the previous step's acks is not in it). "
+        "call (gloo: `StepChannel.send_step`, one `dist.broadcast` when the step fits "
+        "64 KiB, two past it; shm: header + payload write + counter store; the wait "
+        "for the previous step's acks is not in it). "
         "Steps run in lockstep: the next starts once every follower acknowledged the "
         "previous one, after checking it against the leader's tensors (every step "
         "checked, values and dtypes; none differed).",
