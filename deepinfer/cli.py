@@ -10,6 +10,7 @@ torchrun; ``deepinfer.distributed.dp`` and ``.tp``) and disaggregated prefill/de
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -124,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 raise ValueError(f"--tp {tp}: {e}") from None
             dp = check_layout(args.dp, tp, world)
-            check_gpu_count(args.device, dp * tp, f"--dp {dp} --tp {tp}")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world else 0
+            if world and local % tp:
+                raise ValueError(f"--tp {tp}: LOCAL_WORLD_SIZE={local} is not a multiple of "
+                                 "it; a tensor-parallel group must sit on one node")
+            if not world:  # spawned here: one GPU per rank on this node (torchrun: per node)
+                check_gpu_count(args.device, dp * tp, f"--dp {dp} --tp {tp}")
         if args.pd is not None:
             num_prompt, num_decode = parse_pd(args.pd)
             if args.dp > 1:

@@ -70,7 +70,11 @@ class LLMEngine:
         self.runner = worker.runner
         spec = worker.spec
         on_cuda = self.device.type == "cuda"
-        self.tokenizer = load_tokenizer(self.model_path)
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)
+        except BaseException:
+            self.runner.close()  # TP followers wait for steps that will never come
+            raise
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,

@@ -31,11 +31,13 @@ class LLM:
     ``tensor_parallel_size=N`` splits the model over N ranks: this process is rank 0 (it
     joins a ``torch.distributed`` group, so it must not be in one already) and N - 1
     spawned processes hold the other shards, one GPU each on CUDA. ``close()`` (or the
-    end of a ``with`` block, or interpreter exit) stops them.
+    end of a ``with`` block, or interpreter exit) stops them. ``tp_timeout_s`` bounds each
+    collective of a step (the followers wait for the next step without limit).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 attention_backend: str = "auto", **kwargs) -> None:
+                 attention_backend: str = "auto", tp_timeout_s: float = 120.0,
+                 **kwargs) -> None:
         args = EngineArgs(model=model, dtype=dtype, device=device,
                           attention_backend=attention_backend, **kwargs)
         args.validate()
@@ -43,7 +45,7 @@ class LLM:
         self.engine: LLMEngine | None = None
         if args.tensor_parallel_size > 1:
             check_tp_size(load_config(args.model), args.tensor_parallel_size)
-            args, self._followers = start_llm_followers(args)
+            args, self._followers = start_llm_followers(args, tp_timeout_s)
             atexit.register(self.close)
         try:
             self.engine = LLMEngine(args, tp=self._followers.tp if self._followers else None)
@@ -59,14 +61,17 @@ class LLM:
             return
         followers, self._followers = self._followers, None
         atexit.unregister(self.close)
+        stopped = False
         try:
             if self.engine is not None:
                 self.engine.close()
+                stopped = True
         except RuntimeError:
             if followers.failure() is None:  # a dead follower cannot hear "stop": fine
                 raise
         finally:
-            followers.close()
+            # Followers never told to stop (the engine failed to build) are killed now.
+            followers.close(timeout_s=30.0 if stopped else 0.0)
 
     def __enter__(self) -> LLM:
         return self

@@ -21,8 +21,9 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
+from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
-from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
+from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingTable
@@ -66,36 +67,6 @@ class SampledTokens:
         return self._ids.tolist(), self.logprobs
 
 
-@dataclass
-class KVCacheSpec:
-    """How to size the KV cache: on CPU ``kv_cache_memory`` bytes; on CUDA what is left of
-    ``gpu_memory_utilization`` of the device after a profiling forward at
-    ``max_num_batched_tokens``. Never more blocks than ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens could use."""
-
-    block_size: int
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    kv_cache_memory: int
-    gpu_memory_utilization: float
-
-
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
-                   tp: TPGroup = SINGLE) -> tuple[int, ...]:
-    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, with this
-    TP rank's KV heads."""
-    heads = local_sizes(cfg, tp).num_kv_heads
-    return (cfg.num_layers, 2, num_blocks, block_size, heads, cfg.head_dim)
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                   tp: TPGroup = SINGLE) -> int:
-    """Bytes one KV block takes over all layers, K and V (this TP rank's heads)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return int(np.prod(kv_cache_shape(cfg, 1, block_size, tp))) * elem
-
-
 class ModelRunner:
     """Owns the KV cache, the per-slot sampler state and the model on one device.
 
@@ -127,6 +98,7 @@ class ModelRunner:
         self.model = model
         self.tp = tp
         self.channel = channel
+        self._broken = False
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -153,9 +125,19 @@ class ModelRunner:
             self._host_ids = [torch.empty(spec.max_num_seqs, dtype=torch.int64,
                                           pin_memory=True) for _ in range(2)]
         self._host_index = 0
+        error: Exception | None = None
         if num_blocks is None:
-            num_blocks = self.plan_num_blocks(spec)
+            try:
+                num_blocks = self.plan_num_blocks(spec)
+            except (ValueError, torch.cuda.OutOfMemoryError) as e:
+                # Every TP rank takes part in the agreement below, or the others hang.
+                error, num_blocks = e, 0
         self.num_blocks = tp.min_int(num_blocks)
+        if error is not None:
+            raise error
+        if self.num_blocks < 2:
+            raise ValueError("another tensor-parallel rank has no room for a KV cache: "
+                             "raise kv_cache_memory / gpu_memory_utilization")
         # Not zeroed: every kernel reads only slots written this run (unwritten ones are
         # masked out, tested with NaN-poisoned caches), and zeroing a GiB costs ~0.5 s.
         self.kv_cache = torch.empty(
@@ -293,9 +275,25 @@ class ModelRunner:
         and logprobs. ``launch(...).result()``."""
         return self.launch(out, sampling).result()
 
-    @torch.inference_mode()
     def launch(self, out, sampling: StepSampling | None = None,
                logits_mask: Callable[[], TokenMask | None] | None = None) -> SampledTokens:
+        """Enqueue one step (see ``_launch``). A TP leader whose step failed part-way
+        (its followers are left inside that step's collectives) refuses any further
+        step: the group is out of step for good."""
+        if self.channel is None:
+            return self._launch(out, sampling, logits_mask)
+        if self._broken:
+            raise RuntimeError("a step failed part-way on this tensor-parallel leader: its "
+                               "ranks are out of step; build a new engine")
+        try:
+            return self._launch(out, sampling, logits_mask)
+        except BaseException:
+            self._broken = True
+            raise
+
+    @torch.inference_mode()
+    def _launch(self, out, sampling: StepSampling | None = None,
+                logits_mask: Callable[[], TokenMask | None] | None = None) -> SampledTokens:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
         without waiting for the device (logprobs, when asked for, are read at once).
 
@@ -404,7 +402,7 @@ class ModelRunner:
     def close(self) -> None:
         """A TP leader tells its followers that the run is over (nothing otherwise)."""
         channel, self.channel = self.channel, None
-        if channel is not None and self.tp.leader:
+        if channel is not None and self.tp.leader and not self._broken:
             channel.send_stop()
 
     def _run_model(self, is_prompt: bool, b, ids: torch.Tensor | None) -> torch.Tensor:

@@ -12,8 +12,9 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
+from deepinfer.kv_cache_spec import KVCacheSpec
 from deepinfer.loading.loader import load_model, resolve_model_path
-from deepinfer.model_runner import KVCacheSpec, ModelRunner
+from deepinfer.model_runner import ModelRunner
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer.step_channel import StepChannel
 

@@ -14,8 +14,10 @@ calling process becomes rank 0 and ``N - 1`` spawned processes follow it.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,9 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer.models.tensor_parallel import TPGroup
 from deepinfer.step_channel import StepChannel
 from deepinfer.worker import TensorParallel, run_follower
+
+#: How long a follower waits for its leader's next step: unbounded in practice.
+HOST_WAIT = dt.timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -70,17 +75,19 @@ class RunGroups:
     leaders: Any
 
 
-def make_groups(layout: RankLayout, device: str) -> RunGroups:
+def make_groups(layout: RankLayout) -> RunGroups:
     """Create every group of the run (collective: every rank creates all of them, in
     the same order) and return this rank's."""
     mine: TensorParallel | None = None
-    on_cuda = device.startswith("cuda")
     if layout.tp > 1:
         for g in range(layout.dp):
             ranks = list(range(g * layout.tp, (g + 1) * layout.tp))
             device_group = dist.new_group(ranks)
-            # Step messages live in host memory: gloo, so that no rank syncs its GPU.
-            host_group = dist.new_group(ranks, backend="gloo") if on_cuda else device_group
+            # Step messages live in host memory: gloo, so that no rank syncs its GPU. Its
+            # own group without a timeout: followers wait in it for as long as the leader
+            # does host work or, under LLM, as long as the caller waits between calls (a
+            # dead leader still closes its connections at once).
+            host_group = dist.new_group(ranks, backend="gloo", timeout=HOST_WAIT)
             if g == layout.replica:
                 group = TPGroup(layout.tp_rank, layout.tp, device_group)
                 mine = TensorParallel(group, StepChannel(host_group, device_group, ranks[0]))
@@ -115,16 +122,24 @@ class LLMFollowers:
         self.tp = tp
         self._num_threads = num_threads  # joining the group shares the cores out
 
-    def failure(self) -> str | None:
-        """Which follower died and how (None while all live)."""
+    def failure(self, wait_s: float = 1.0) -> str | None:
+        """Which follower died and how (None while all live). Called after a collective
+        failed: a dying follower closes its connections just before it exits, so its
+        exit code may take a moment (``wait_s`` over all of them)."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.0))
         for rank, p in enumerate(self.procs, 1):
             if p.exitcode is not None and p.exitcode != 0:
                 return f"tensor-parallel rank {rank} exited with code {p.exitcode}"
         return None
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Wait up to ``timeout_s`` in all for the followers to leave (after the engine
+        sent them stop; 0: it could not, kill them now), then leave the group."""
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            p.join(timeout_s)
+            p.join(max(deadline - time.monotonic(), 0.0))
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -141,7 +156,7 @@ def _llm_follower(rank: int, world: int, port: int, args: EngineArgs,
     device = select_device(args.device, rank)
     init_distributed(info, device, timeout_s)
     try:
-        groups = make_groups(RankLayout(rank, 1, world), device)
+        groups = make_groups(RankLayout(rank, 1, world))
         run_follower(dataclasses.replace(args, device=device), groups.tp)
     finally:
         destroy_group()
@@ -175,8 +190,10 @@ def start_llm_followers(args: EngineArgs, timeout_s: float = 120.0
     device = select_device(args.device, 0)
     try:
         init_distributed(RankInfo(0, world, 0, world), device, timeout_s)
-        groups = make_groups(RankLayout(0, 1, world), device)
+        groups = make_groups(RankLayout(0, 1, world))
     except Exception as e:
+        if dist.is_initialized():
+            destroy_group()  # or every later LLM(...) finds this process in a group
         dead = [(r, p.exitcode) for r, p in enumerate(procs, 1) if p.exitcode is not None]
         for p in procs:
             p.kill()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,10 +147,16 @@ def test_tp_rank_killed_ends_run_then_rerun_resumes(tmp_path, model_args):
 def test_llm_tensor_parallel_size(tmp_path, tiny_checkpoints):
     """``LLM(..., tensor_parallel_size=2)`` in a fresh process (it joins a process group,
     so not in the test process): greedy outputs equal ``tensor_parallel_size=1``, and
-    ``close()`` ends the followers; a follower that dies is named by the next call."""
+    ``close()`` ends the followers; they outwait a caller idle past ``tp_timeout_s``; an
+    engine that fails to build leaves no follower behind; a follower that dies is named
+    by the next call."""
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_checkpoints["llama3"].path, f), no_tok / f)
     script = tmp_path / "llm_tp.py"
     script.write_text(textwrap.dedent(f"""
-        import json, multiprocessing
+        import json, multiprocessing, time
         from deepinfer import LLM, SamplingParams
 
         if __name__ == "__main__":
@@ -163,6 +170,21 @@ def test_llm_tensor_parallel_size(tmp_path, tiny_checkpoints):
             left = len(multiprocessing.active_children())
             one = [o.outputs[0].token_ids
                    for o in LLM(path, **kw).generate(prompts, sp, use_tqdm=False)]
+            # Idle past the collectives' timeout between calls: the followers still wait.
+            with LLM(path, tensor_parallel_size=2, tp_timeout_s=2, **kw) as llm:
+                time.sleep(4)
+                late = [o.outputs[0].token_ids for o in llm.generate(prompts, sp,
+                                                                    use_tqdm=False)]
+            # The engine fails to build on the leader (no tokenizer): raised at once, the
+            # followers gone.
+            t0 = time.monotonic()
+            try:
+                LLM({str(tmp_path / "no_tokenizer")!r}, tensor_parallel_size=2, **kw)
+                build_error = None
+            except Exception as e:
+                build_error = type(e).__name__
+            build_s = time.monotonic() - t0
+            left_after_error = len(multiprocessing.active_children())
             # A follower that dies: the next generate names it instead of gloo's words.
             llm = LLM(path, tensor_parallel_size=2, **kw)
             (follower,) = multiprocessing.active_children()
@@ -174,7 +196,9 @@ def test_llm_tensor_parallel_size(tmp_path, tiny_checkpoints):
             except RuntimeError as e:
                 error = str(e)
             llm.close()
-            print(json.dumps({{"one": one, "two": two, "left": left, "error": error}}))
+            print(json.dumps({{"one": one, "two": two, "left": left, "error": error,
+                              "late": late, "build_error": build_error,
+                              "build_s": build_s, "left_after_error": left_after_error}}))
     """))
     res = subprocess.run([sys.executable, str(script)], env=ENV, cwd=ROOT,
                          capture_output=True, text=True, timeout=180)
@@ -184,3 +208,18 @@ def test_llm_tensor_parallel_size(tmp_path, tiny_checkpoints):
     assert all(len(t) == 6 for t in got["one"])
     assert got["left"] == 0
     assert got["error"].startswith("tensor-parallel rank 1 exited with code -9"), got
+    assert got["late"] == got["one"]
+    assert got["build_error"] is not None and got["left_after_error"] == 0, got
+    assert got["build_s"] < 25, got  # not the followers' 30 s join, nor a timeout
+
+
+def test_torchrun_tp_group_must_fit_on_one_node(tmp_path, prompts_file, model_args,
+                                                monkeypatch, capsys):
+    """Two nodes of 2 ranks cannot hold a 4-rank TP group: exit 2 before any rank
+    starts (and no check of this node's GPU count against the whole world)."""
+    for k, v in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    rc = main(["--input", str(prompts_file), "--output", str(tmp_path / "o.jsonl"),
+               *model_args, "--tp", "4"])
+    assert rc == 2
+    assert "LOCAL_WORLD_SIZE=2 is not a multiple of it" in capsys.readouterr().err

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.ranks import RankInfo, destroy_group, init_distributed, spawn_ranks
+from deepinfer.kv_cache_spec import kv_cache_shape
 from deepinfer.loading.loader import load_model
 from deepinfer.loading.safetensors_files import iter_safetensors, safetensors_files
-from deepinfer.model_runner import kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.tensor_parallel import TPGroup, check_tp_size
 from kernels import reference
