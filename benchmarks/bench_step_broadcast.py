@@ -75,6 +75,7 @@ if __package__ in (None, ""):
 from results_meta import git_commit, utc_now  # noqa: E402
 from tree_state import commit_label, uncommitted_source  # noqa: E402
 
+from deepinfer.step_channel import payload_size, unpack_step  # noqa: E402
 from scheduler.batch import LaunchBatch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -279,18 +280,10 @@ class ShmStepChannel:
         kind, is_prompt, t, b, w, s, n_clone, max_q, max_seq, _ = self._header.tolist()
         if kind == 0:
             return None
-        sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone]
-        payload = torch.from_numpy(self._payload[: sum(sizes)].copy())
-        ids, pos, slots, bt, lens, qsl, li, clone = payload.split(sizes)
-        i32 = torch.int32
-        batch = LaunchBatch(
-            input_ids=ids, positions=pos, slot_mapping=slots,
-            block_tables=bt.to(i32).view(b, w), seq_lens=lens.to(i32),
-            query_start_loc=qsl.to(i32), logits_indices=li,
-            state_slots=torch.empty(0, dtype=torch.int64),
-            sample_state_slots=torch.empty(0, dtype=torch.int64),
-            max_query_len=max_q, max_seq_len=max_seq, num_tokens=t)
-        return ShmStep(bool(is_prompt), batch, clone.view(-1, 2))
+        n = payload_size(t, b, w, s, n_clone)
+        payload = torch.from_numpy(self._payload[:n].copy())
+        batch, clone = unpack_step(payload, t, b, w, s, n_clone, max_q, max_seq)
+        return ShmStep(bool(is_prompt), batch, clone)
 
     def ack(self) -> None:
         assert self.follower is not None

@@ -102,26 +102,41 @@ class StepChannel:
         kind, is_prompt, t, b, w, s, n_clone, max_q, max_seq, on_dev = header
         if kind == _STOP:
             return None
-        sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone]
-        n = sum(sizes)
+        n = payload_size(t, b, w, s, n_clone)
         if n <= INLINE - _HEADER:
             payload = self._buf[_HEADER:_HEADER + n].clone()  # the buffer is reused
         else:
             payload = torch.empty(n, dtype=torch.int64)
             dist.broadcast(payload, self.leader, group=self.host_group)
-        ids, pos, slots, bt, lens, qsl, li, clone = payload.split(sizes)
-        i32 = torch.int32
-        batch = LaunchBatch(
-            input_ids=ids, positions=pos, slot_mapping=slots,
-            block_tables=bt.to(i32).view(b, w), seq_lens=lens.to(i32),
-            query_start_loc=qsl.to(i32), logits_indices=li,
-            state_slots=torch.empty(0, dtype=torch.int64),
-            sample_state_slots=torch.empty(0, dtype=torch.int64),
-            max_query_len=max_q, max_seq_len=max_seq, num_tokens=t)
-        return FollowerStep(bool(is_prompt), batch, clone.view(-1, 2), bool(on_dev))
+        batch, clone = unpack_step(payload, t, b, w, s, n_clone, max_q, max_seq)
+        return FollowerStep(bool(is_prompt), batch, clone, bool(on_dev))
 
     def recv_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """The leader's resolved input ids ``[num_tokens]`` int64 on ``device``."""
         ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
         dist.broadcast(ids, self.leader, group=self.device_group)
         return ids
+
+
+def payload_size(t: int, b: int, w: int, s: int, n_clone: int) -> int:
+    """Ints in the payload of a step of ``t`` tokens, ``b`` sequences, block tables ``w``
+    wide, ``s`` samples and ``n_clone`` copy-on-write pairs."""
+    return 3 * t + b * w + 2 * b + 1 + s + 2 * n_clone
+
+
+def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: int,
+                max_query_len: int, max_seq_len: int) -> tuple[LaunchBatch, torch.Tensor]:
+    """A payload (int64 ``[payload_size(...)]``, the module docstring's layout) -> the
+    step's ``LaunchBatch`` (views of it, the scheduler's dtypes; no state slots: a
+    follower does not sample) and its copy-on-write pairs ``[n_clone, 2]``."""
+    sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone]
+    ids, pos, slots, bt, lens, qsl, li, clone = payload.split(sizes)
+    i32 = torch.int32
+    batch = LaunchBatch(
+        input_ids=ids, positions=pos, slot_mapping=slots,
+        block_tables=bt.to(i32).view(b, w), seq_lens=lens.to(i32),
+        query_start_loc=qsl.to(i32), logits_indices=li,
+        state_slots=torch.empty(0, dtype=torch.int64),
+        sample_state_slots=torch.empty(0, dtype=torch.int64),
+        max_query_len=max_query_len, max_seq_len=max_seq_len, num_tokens=t)
+    return batch, clone.view(-1, 2)

@@ -16,12 +16,10 @@ import torch.distributed as dist
 
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.ranks import RankInfo, destroy_group, init_distributed, spawn_ranks
-from deepinfer.kv_cache_spec import kv_cache_shape
 from deepinfer.loading.loader import load_model
 from deepinfer.loading.safetensors_files import iter_safetensors, safetensors_files
-from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.tensor_parallel import TPGroup, check_tp_size
-from kernels import reference
+from tests.engine.paged_sim import PagedSim
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -67,42 +65,9 @@ def _run_script(model, cfg: ModelConfig, tp: TPGroup,
     """Run ``script`` through a paged cache of this rank's KV heads; blocks come from a
     fixed shuffled free list (the same on every rank), so logical != physical order.
     Returns the logits of every step (all rows; None off the leader) and the cache."""
-    cache = torch.zeros(kv_cache_shape(cfg, NUM_BLOCKS, BLOCK_SIZE, tp))
-    free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
-    tables: dict[int, list[int]] = {}
-    lens: dict[int, int] = {}
-    out = []
-    for is_prompt, chunks in script:
-        ids, pos, slots, starts, seq_lens, rows = [], [], [], [0], [], []
-        for sid, new in chunks.items():
-            table = tables.setdefault(sid, [])
-            start = lens.get(sid, 0)
-            end = start + len(new)
-            while len(table) * BLOCK_SIZE < end:
-                table.append(free.pop())
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                      for p in range(start, end)]
-            ids += new
-            pos += range(start, end)
-            starts.append(starts[-1] + len(new))
-            seq_lens.append(end)
-            rows.append(table)
-            lens[sid] = end
-        width = max(len(t) for t in rows)
-        meta = AttentionMetadata(
-            is_prompt=is_prompt,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in rows],
-                                      dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            max_query_len=max(len(t) for t in chunks.values()),
-            max_seq_len=max(seq_lens),
-        )
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(pos), cache, meta, reference)
-            out.append(model.compute_logits(hidden))
-    return out, cache
+    sim = PagedSim(cfg, NUM_BLOCKS, BLOCK_SIZE, seed=1, tp=tp)
+    out = [sim.step(model, chunks, is_prompt) for is_prompt, chunks in script]
+    return out, sim.cache
 
 
 def _tp_rank(info: RankInfo, paths: dict[str, str], script, out_file: str) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_models import PagedSim
+from tests.engine.paged_sim import PagedSim
 
 
 def test_config_from_gguf_metadata(smollm2_model):
