@@ -74,7 +74,8 @@ class StepChannel:
                          b.max_seq_len, int(ids_on_device))
         parts = [b.input_ids, b.positions, b.slot_mapping, bt.reshape(-1), b.seq_lens,
                  b.query_start_loc, b.logits_indices, clone.reshape(-1)]
-        n = sum(p.numel() for p in parts)
+        n = payload_size(b.num_tokens, bt.shape[0], bt.shape[1],
+                         b.logits_indices.shape[0], clone.shape[0])
         if n <= INLINE - _HEADER:  # the usual case: one broadcast
             np.concatenate([p.numpy() for p in parts], out=buf[_HEADER:_HEADER + n],
                            casting="unsafe")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from deepinfer.distributed.ranks import (
     RankInfo,
+    check_gpu_count,
     destroy_group,
     free_port,
     init_distributed,
@@ -174,11 +175,7 @@ def start_llm_followers(args: EngineArgs, timeout_s: float = 120.0
         raise ValueError("tensor_parallel_size > 1: this process already belongs to a "
                          "torch.distributed group; run LLM in a fresh process")
     world = args.tensor_parallel_size
-    if args.device.startswith("cuda") or (args.device == "auto"
-                                          and torch.cuda.is_available()):
-        if torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, "
-                             f"{torch.cuda.device_count()} visible")
+    check_gpu_count(args.device, world, f"tensor_parallel_size={world}")
     port = free_port()
     num_threads = torch.get_num_threads()
     ctx = mp.get_context("spawn")

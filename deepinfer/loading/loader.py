@@ -124,31 +124,30 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     """
     path = resolve_model_path(path)
     dev = torch.device(device)
-    if path.endswith(".gguf"):
+    is_gguf = path.endswith(".gguf")
+    if is_gguf:
         # Imported here: the gguf package is only needed for GGUF files.
-        from deepinfer.loading.gguf_file import check_gguf_types, gguf_config, iter_gguf
+        from deepinfer.loading.gguf_file import check_gguf_types, iter_gguf
         from deepinfer.loading.gguf_reader import open_gguf
 
-        gguf = open_gguf(path)
-        check_gguf_types(gguf)
-        cfg = gguf_config(gguf)
-        check_tp_size(cfg, tp.size)
+        gguf = open_gguf(path)  # cached per file: load_config reuses this parse
+        check_gguf_types(gguf)  # an unsupported tensor type is named first
+    cfg = load_config(path)
+    check_tp_size(cfg, tp.size)  # before anything is read or allocated
+    if is_gguf:
         weights: Iterable[tuple[str, torch.Tensor]] = (
-            (name, take_shard(w, shard_slice(name, cfg, tp))) for name, w in iter_gguf(gguf, cfg))
+            (name, take_shard(w, shard_slice(name, cfg, tp)))
+            for name, w in iter_gguf(gguf, cfg))
         total = len(gguf.tensors)
     else:
-        cfg = ModelConfig.from_hf_folder(path)
-        check_tp_size(cfg, tp.size)
         files = safetensors_files(path)
-        weights = iter_safetensors(
-            files, (lambda name: shard_slice(name, cfg, tp)) if tp.size > 1 else None)
+        weights = iter_safetensors(files, lambda name: shard_slice(name, cfg, tp))
         total = count_tensors(files)
-    model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, path.endswith(".gguf"))
+    model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, is_gguf)
     model = _build_empty(cfg, model_dtype, dev, tp)
     desc = f"Loading {os.path.basename(path)}"
     # Dequantized GGUF tensors own their memory: adopted. Safetensors ones map the file.
-    loaded = model.load_weights(_progress(weights, total, desc),
-                                adopt=path.endswith(".gguf"))
+    loaded = model.load_weights(_progress(weights, total, desc), adopt=is_gguf)
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
@@ -161,7 +160,7 @@ def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     """The model (this rank's shard) with uninitialised parameters on ``device``."""
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
-        model = cls(cfg, tp=tp) if tp.size > 1 else cls(cfg)
+        model = cls(cfg, tp=tp)
     model.to(dtype)  # free on meta
     model.to_empty(device=device)
     model.requires_grad_(False)

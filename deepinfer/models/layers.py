@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.models.parallel_layers import Linear, RowParallelLinear
+from deepinfer.models.parallel_layers import Linear, row_parallel_linear
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 
 
@@ -51,7 +51,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, backend: Any = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` (``backend`` unused: the decoder layer

@@ -33,9 +33,9 @@ from deepinfer.models.moe import (
 )
 from deepinfer.models.parallel_layers import (
     Linear,
-    RowParallelLinear,
     ShardedRMSNorm,
     VocabParallelEmbedding,
+    row_parallel_linear,
 )
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
 
@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, tp=tp)
+        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp=tp)
         self.full_width_norm = cfg.qk_norm_full_width
         self.clip_qkv = cfg.clip_qkv
         if cfg.qk_norm_full_width and tp.size > 1:  # OLMoE split: statistics all-reduced

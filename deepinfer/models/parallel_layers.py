@@ -40,10 +40,17 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in / tp]`` -> ``[T, out]`` (same on every rank)."""
-        if self.tp.size == 1:
-            return super().forward(x)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool = False,
+                        tp: TPGroup = SINGLE) -> Linear:
+    """A ``RowParallelLinear`` over a TP group, or a plain ``Linear`` without one (same
+    parameter names): alone, the decoder's per-layer calls skip the split's Python."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias=bias, tp=tp)
 
 
 class VocabParallelEmbedding(Embedding):

@@ -169,3 +169,23 @@ def run_overlapped(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000
                 sched.check_invariants()
         inflight = nxt
     raise AssertionError("scheduler did not finish (livelock?)")
+
+
+def checked_step(sched: Scheduler, runner: FakeRunner):
+    """One schedule -> execute -> update, then the scheduler's invariants; returns
+    ``(outputs, finished)``."""
+    out = sched.schedule()
+    fin = sched.update(out, runner.execute(out))
+    sched.check_invariants()
+    return out, fin
+
+
+def hits_of(sched: Scheduler, runner: FakeRunner, rid: str, prompt: list[int],
+            max_tokens: int = 2) -> int:
+    """Run ``prompt`` (and everything else still live) to completion; its prefix-cache
+    hit tokens at admission. It must end by length (``max_tokens`` generated)."""
+    sched.add_request(rid, prompt, max_tokens)
+    seq = sched.get_sequences(rid)[0]
+    run_to_completion(sched, runner)
+    assert seq.finish_reason == "length"
+    return seq.num_cached_tokens

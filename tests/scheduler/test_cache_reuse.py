@@ -5,23 +5,18 @@ block is cached again once reused; a recomputed (preempted) sequence hits its ow
 
 from __future__ import annotations
 
-from tests.scheduler.helpers import FakeRunner, make, run_to_completion, tokens_of
+from tests.scheduler.helpers import (
+    FakeRunner,
+    checked_step,
+    hits_of,
+    make,
+    run_to_completion,
+    tokens_of,
+)
 
 BS = 4
 
 
-def step(s, r):
-    out = s.schedule()
-    fin = s.update(out, r.execute(out))
-    s.check_invariants()
-    return out, fin
-
-
-def hits_of(s, r, rid, prompt, max_tokens=2):
-    s.add_request(rid, prompt, max_tokens)
-    seq = s.get_sequences(rid)[0]
-    run_to_completion(s, r)
-    return seq.num_cached_tokens
 
 
 def test_generated_blocks_are_cached_for_the_next_turn():
@@ -42,7 +37,7 @@ def test_blocks_filled_in_a_decode_step_that_raced_an_abort_are_cached():
     r = FakeRunner(s)
     s.add_request("keep", [1, 2, 3], 6)
     s.add_request("gone", [4, 5, 6], 6)
-    step(s, r)  # prompt step: 3 tokens each, first output sampled (4 tokens)
+    checked_step(s, r)  # prompt step: 3 tokens each, first output sampled (4 tokens)
     out = s.schedule()  # decode at position 3: completes block 0 of both
     s.abort("gone")  # between schedule and update: update takes the per-sequence path
     s.update(out, r.execute(out))
@@ -86,14 +81,14 @@ def test_recomputed_sequence_hits_its_own_cached_blocks():
     r = FakeRunner(s)
     s.add_request("a", list(range(7)), 3)
     s.add_request("c", list(range(20, 27)), 10)
-    step(s, r)  # both prompts: 2 blocks each, the cache is full
-    step(s, r)
-    _, fin = step(s, r)  # a needs a third block at position 8: c is preempted; a ends
+    checked_step(s, r)  # both prompts: 2 blocks each, the cache is full
+    checked_step(s, r)
+    _, fin = checked_step(s, r)  # a needs a third block at position 8: c is preempted; a ends
     assert s.stats.num_preemptions == 1
     assert [q.request_id for q in fin] == ["a"] and not s.running
     (victim,) = s.waiting
     assert victim.request_id == "c" and victim.num_tokens == 9
-    out, _ = step(s, r)  # c recomputes: its first block [20..23] is still cached (its
+    out, _ = checked_step(s, r)  # c recomputes: its first block [20..23] is still cached (its
     # second one, freed first, was evicted for a)
     assert out.is_prompt and out.seqs == [victim]
     assert out.batch.positions.tolist() == [4, 5, 6, 7, 8]
@@ -121,7 +116,7 @@ def test_forked_samples_share_the_prefix_hit_count():
     r = FakeRunner(s)
     assert hits_of(s, r, "warm", [1, 2, 3, 4, 5]) == 0
     s.add_request("n2", [1, 2, 3, 4, 6], 2, n=2)
-    step(s, r)  # the prompt completes: the second sample is forked from the first
+    checked_step(s, r)  # the prompt completes: the second sample is forked from the first
     samples = s.get_sequences("n2")
     assert [q.sample_index for q in samples] == [0, 1]
     assert [q.num_cached_tokens for q in samples] == [BS, BS]
@@ -135,9 +130,9 @@ def test_recomputed_sequence_without_hits_registers_its_blocks_again():
     r = FakeRunner(s)
     s.add_request("a", list(range(7)), 9)  # grows to 4 blocks: evicts both of c's
     s.add_request("c", list(range(20, 27)), 3)
-    step(s, r)
-    step(s, r)
-    step(s, r)  # a needs a third block: c preempted
+    checked_step(s, r)
+    checked_step(s, r)
+    checked_step(s, r)  # a needs a third block: c preempted
     (victim,) = s.waiting
     assert victim.request_id == "c"
     fin, _ = run_to_completion(s, r)

@@ -18,26 +18,18 @@ from __future__ import annotations
 import threading
 
 from scheduler import Sequence, SequenceStatus
-from tests.scheduler.helpers import FakeRunner, make, run_to_completion, tokens_of
+from tests.scheduler.helpers import (
+    FakeRunner,
+    checked_step,
+    hits_of,
+    make,
+    run_to_completion,
+    tokens_of,
+)
 
 BS = 4
 
 
-def step(s, r):
-    out = s.schedule()
-    fin = s.update(out, r.execute(out))
-    s.check_invariants()
-    return out, fin
-
-
-def hits_of(s, r, rid, prompt, max_tokens=1):
-    """Run ``prompt`` (and everything else still live) to completion; its prefix-cache hit
-    tokens at admission."""
-    s.add_request(rid, prompt, max_tokens)
-    seq = s.get_sequences(rid)[0]
-    run_to_completion(s, r)
-    assert seq.finish_reason == "length"
-    return seq.num_cached_tokens
 
 
 def schedule_within(s, seconds: float = 10.0):
@@ -63,7 +55,7 @@ def start_holder(s, r):
     """A long request that holds state slot 0 (and block 0) for the rest of the test, so
     that the sequences under test get another slot and other blocks."""
     s.add_request("holder", [90, 91], 40)
-    step(s, r)
+    checked_step(s, r)
     (holder,) = s.get_sequences("holder")
     assert holder.slot == 0 and holder.blocks == [0]
     return holder
@@ -83,7 +75,7 @@ def test_chunked_prompt_chains_each_block_to_its_parent_in_its_own_row():
     chunks = []
     parents: list[int] = []
     while x.status is SequenceStatus.WAITING:
-        out, _ = step(s, r)
+        out, _ = checked_step(s, r)
         if x in out.seqs:
             chunks.append(out.batch.positions.tolist())
             assert x.slot != 0
@@ -91,8 +83,8 @@ def test_chunked_prompt_chains_each_block_to_its_parent_in_its_own_row():
     assert chunks == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12)), [12]]
     assert 0 not in parents[:3]  # a stale or padding id (0) cannot pass for the parent
     # Same three blocks, another last token: every block verifies against its parent.
-    assert hits_of(s, r, "y", prompt[:12] + [99]) == 3 * BS
-    assert hits_of(s, r, "y1", prompt[:8] + [99]) == 2 * BS
+    assert hits_of(s, r, "y", prompt[:12] + [99], max_tokens=1) == 3 * BS
+    assert hits_of(s, r, "y1", prompt[:8] + [99], max_tokens=1) == 2 * BS
 
 
 def test_blocks_registered_after_a_hit_chain_to_the_hit_block():
@@ -103,7 +95,7 @@ def test_blocks_registered_after_a_hit_chain_to_the_hit_block():
     start_holder(s, r)
     a, b, c = [10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]
     s.add_request("warm", a + [1], 1)  # caches block a
-    step(s, r)
+    checked_step(s, r)
     s.add_request("x", a + b + c + [2], 1)
     (x,) = s.get_sequences("x")
     out = s.schedule()
@@ -113,8 +105,8 @@ def test_blocks_registered_after_a_hit_chain_to_the_hit_block():
     s.update(out, r.execute(out))
     s.check_invariants()
     assert x.finish_reason == "length"
-    assert hits_of(s, r, "y", a + b + c + [3]) == 3 * BS
-    assert hits_of(s, r, "y1", a + b + [3]) == 2 * BS
+    assert hits_of(s, r, "y", a + b + c + [3], max_tokens=1) == 3 * BS
+    assert hits_of(s, r, "y1", a + b + [3], max_tokens=1) == 2 * BS
 
 
 def test_decode_registers_one_block_per_step_chained_from_the_last():
@@ -125,14 +117,14 @@ def test_decode_registers_one_block_per_step_chained_from_the_last():
     start_holder(s, r)
     s.add_request("x", [1, 2, 3], 18)  # 21 tokens: K/V of 20 computed, 5 full blocks
     (x,) = s.get_sequences("x")
-    step(s, r)
+    checked_step(s, r)
     assert x.slot != 0
     while x.status is SequenceStatus.RUNNING:
-        step(s, r)
+        checked_step(s, r)
     history = tokens_of(x)
     assert len(history) == 21 and x.finish_reason == "length"
-    assert hits_of(s, r, "all", history[:20] + [0]) == 20
-    assert hits_of(s, r, "three", history[:12] + [0]) == 12
+    assert hits_of(s, r, "all", history[:20] + [0], max_tokens=1) == 20
+    assert hits_of(s, r, "three", history[:12] + [0], max_tokens=1) == 12
 
 
 # ------------------------------------------------------------- hash-chain extension
@@ -346,9 +338,9 @@ def test_forked_child_keeps_its_hit_count_and_its_chain_through_preemption():
     recompute hits."""
     s = make(num_blocks=6, block_size=BS, max_model_len=24, max_num_seqs=4)
     r = FakeRunner(s)
-    assert hits_of(s, r, "warm", [1, 2, 3, 4, 5]) == 0
+    assert hits_of(s, r, "warm", [1, 2, 3, 4, 5], max_tokens=1) == 0
     s.add_request("n2", [1, 2, 3, 4, 6], 12, n=2)
-    out, _ = step(s, r)
+    out, _ = checked_step(s, r)
     parent, child = s.get_sequences("n2")
     assert out.is_prompt and out.sample_seqs == [parent, child]
     assert [q.num_cached_tokens for q in (parent, child)] == [BS, BS]
@@ -357,7 +349,7 @@ def test_forked_child_keeps_its_hit_count_and_its_chain_through_preemption():
         if not s.has_unfinished():
             break
         before = child.status
-        out, _ = step(s, r)
+        out, _ = checked_step(s, r)
         if before is SequenceStatus.WAITING and child in out.seqs:
             readmit = (out.is_prompt, out.batch.positions.tolist())
     assert s.stats.num_preemptions == 1
