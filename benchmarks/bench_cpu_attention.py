@@ -1,10 +1,14 @@
-"""CPU paged decode attention: kernels.reference vs kernels.cpu_backend vs a dense floor.
+"""CPU paged decode attention: kernels.reference vs kernels.cpu_backend's two paths vs a
+dense floor.
 
 Per case, in the same process and interleaved round by round (the machine may be shared,
 so compare the ratios, not the absolute times):
 
 - reference: ``kernels.reference.paged_decode_attention`` (the test oracle);
-- cpu_backend: ``kernels.cpu_backend.paged_decode_attention`` (the engine's CPU op);
+- native: ``kernels.cpu_backend.paged_decode_attention``, the engine's CPU op, which runs
+  the C kernel of ``kernels.cpu_native`` (reads K/V straight from the paged cache);
+- gathered: ``kernels.cpu_backend.gathered_decode_attention``, its torch fallback (blocks
+  gathered into a workspace, then SDPA);
 - dense: ``scaled_dot_product_attention`` over a contiguous ``[B, Hkv, ctx, D]`` cache, the
   query heads of a KV head as the query axis: the floor, what a model that kept a dense
   cache would pay.
@@ -44,7 +48,7 @@ if __package__ in (None, ""):
 
 from results_meta import git_commit, utc_now  # noqa: E402
 
-from kernels import cpu_backend, reference  # noqa: E402
+from kernels import cpu_backend, cpu_native, reference  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -107,7 +111,7 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
 
 
 def ops(x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
-    """The three timed calls on one case's inputs, each returning ``[B, Hq, D]``."""
+    """The timed calls on one case's inputs, each returning ``[B, Hq, D]``."""
     b, hq, d = x.q.shape
     hkv = x.k_cache.shape[2]
     q_dense = x.q.view(b, hkv, hq // hkv, d)
@@ -115,7 +119,8 @@ def ops(x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
     args = (x.q, x.k_cache, x.v_cache, x.block_tables, x.seq_lens)
     return {
         "reference": lambda: reference.paged_decode_attention(*args, out=out),
-        "cpu_backend": lambda: cpu_backend.paged_decode_attention(*args, out=out),
+        "native": lambda: cpu_backend.paged_decode_attention(*args, out=out),
+        "gathered": lambda: cpu_backend.gathered_decode_attention(*args, out=out),
         "dense": lambda: F.scaled_dot_product_attention(
             q_dense, x.k_dense, x.v_dense).view(b, hq, d),
     }
@@ -140,15 +145,16 @@ def label(case: Case) -> str:
 
 
 def table_lines(rows: list[dict]) -> list[str]:
-    lines = ["| case | dense ms | reference ms | cpu_backend ms | reference / dense | "
-             "cpu_backend / dense | reference / cpu_backend |", "|---|---|---|---|---|---|---|"]
+    lines = ["| case | dense ms | reference ms | gathered ms | native ms | reference / dense | "
+             "gathered / dense | native / dense | gathered / native |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["ms"]
         lines.append(
             f"| {r['case']} | {t['dense']:.2f} | {t['reference']:.2f} | "
-            f"{t['cpu_backend']:.2f} | {t['reference'] / t['dense']:.2f}x | "
-            f"{t['cpu_backend'] / t['dense']:.2f}x | "
-            f"{t['reference'] / t['cpu_backend']:.2f}x |")
+            f"{t['gathered']:.2f} | {t['native']:.2f} | "
+            f"{t['reference'] / t['dense']:.2f}x | {t['gathered'] / t['dense']:.2f}x | "
+            f"{t['native'] / t['dense']:.2f}x | {t['gathered'] / t['native']:.2f}x |")
     return lines
 
 
@@ -168,8 +174,10 @@ def main() -> None:
                      "ragged": case.ragged, "ms": ms})
         print(table_lines(rows)[-1], file=sys.stderr, flush=True)  # progress
     lines = table_lines(rows)
+    native = "built" if cpu_native.native_library() is not None else "NOT BUILT (torch path)"
     note = ("\n\nragged rows: paged lengths drawn in [ctx/2, ctx], the dense floor at ctx. "
-            f"Median of {args.reps} interleaved rounds, {torch.get_num_threads()} threads.")
+            f"Median of {args.reps} interleaved rounds, {torch.get_num_threads()} threads. "
+            f"Native kernel: {native}.")
     print("\n" + "\n".join(lines) + note)
     if args.save:
         out = Path(__file__).resolve().parent / "results"
@@ -188,10 +196,10 @@ def main() -> None:
 
 
 def test_bench_cpu_attention_smoke():
-    """One small case through all three ops: the paged ops agree with the dense floor."""
+    """One small case through every op: the paged ops agree with the dense floor."""
     case = Case("smoke", 3, 40, 4, 2, 16)
     results = {name: fn().clone() for name, fn in ops(make_inputs(case, seed=1)).items()}
-    for name in ("reference", "cpu_backend"):
+    for name in ("reference", "native", "gathered"):
         torch.testing.assert_close(results[name], results["dense"], atol=2e-5, rtol=1e-5)
     assert len(table_lines([{"case": label(case), "ms": {k: 1.0 for k in results}}])) == 3
 

@@ -43,12 +43,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_native, reference
 from kernels.reference import clone_blocks, clone_states, fused_moe, moe_route, zero_states
 
 __all__ = [
     "store_kv",
     "paged_decode_attention",
+    "gathered_decode_attention",
     "paged_prefill_attention",
     "clone_blocks",
     "zero_states",
@@ -120,7 +121,31 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence against its ``seq_lens[b]`` cached keys.
+    """One query per sequence against its ``seq_lens[b]`` cached keys: the native C
+    kernel (:mod:`kernels.cpu_native`, reads K/V straight from the paged cache) where it
+    takes the inputs, else :func:`gathered_decode_attention`. Shapes and dtypes as there.
+    """
+    if cpu_native.can_decode(q, k_cache, v_cache, block_tables, seq_lens):
+        return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                 seq_lens, scale=scale, out=out)
+    return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                     scale=scale, out=out)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its ``seq_lens[b]`` cached keys, in torch: blocks
+    gathered into a reused workspace, then SDPA per chunk (the fallback of
+    :func:`paged_decode_attention`: fp16 caches, no C compiler, odd head sizes).
 
     q ``[B, Hq, D]``; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]`` (contiguous);
     block_tables ``[B, W]`` int32/int64; seq_lens ``[B]`` int32. Returns ``[B, Hq, D]`` in

@@ -1,5 +1,9 @@
 """kernels.cpu_backend (the engine's CPU ops) against the torch reference.
 
+Decode runs through both of its paths: ``paged_decode_attention`` (the native C kernel
+where it takes the inputs, see tests/kernels/test_cpu_native.py) and the torch fallback
+``gathered_decode_attention``.
+
 Every case draws fresh random data; caches are NaN outside the live tokens and spare
 block-table columns point at NaN blocks (tests.kernels.helpers.make_paged_kv), so any read
 past a sequence's end shows up as NaN in the output; ``out`` is NaN-poisoned before a call.
@@ -26,10 +30,14 @@ def _paged_kv(lens: list[int], bs: int, hkv: int, d: int, dtype: torch.dtype,
     return kv
 
 
-def _decode_both(q, kv, **kwargs):
+# The engine's entry point (native kernel where it applies) and the torch fallback.
+IMPLS = [pytest.param(cpu_backend.paged_decode_attention, id="dispatch"),
+         pytest.param(cpu_backend.gathered_decode_attention, id="gathered")]
+
+
+def _decode_both(q, kv, impl=cpu_backend.paged_decode_attention, **kwargs):
     out = torch.full_like(q, float("nan"))
-    got = cpu_backend.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
-                                             kv.seq_lens, out=out, **kwargs)
+    got = impl(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, out=out, **kwargs)
     assert got is out
     kwargs.pop("max_seq_len", None)
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
@@ -50,12 +58,13 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("hq, hkv, d, bs, dtype, lens", DECODE_CASES)
-def test_decode_matches_reference(hq, hkv, d, bs, dtype, lens):
+def test_decode_matches_reference(hq, hkv, d, bs, dtype, lens, impl):
     g = generator(seed_for("cpu-decode", hq, hkv, d, bs, dtype, lens))
     kv = _paged_kv(lens, bs, hkv, d, dtype, g)
     q = randn((len(lens), hq, d), dtype, g).cpu()
-    got, want = _decode_both(q, kv)
+    got, want = _decode_both(q, kv, impl)
     assert_close(got, want, dtype)
 
 
@@ -68,7 +77,7 @@ def test_decode_many_chunks(monkeypatch, chunk_bytes):
     lens = [int(x) for x in torch.randint(1, 90, (40,), generator=g)] + [32] * 6 + [1] * 3
     kv = _paged_kv(lens, 16, 2, 16, F32, g)
     q = randn((len(lens), 4, 16), F32, g).cpu()
-    got, want = _decode_both(q, kv)
+    got, want = _decode_both(q, kv, cpu_backend.gathered_decode_attention)
     assert_close(got, want, F32)
 
 
@@ -81,22 +90,24 @@ def test_decode_chunk_holds_one_sequence_per_thread(monkeypatch):
     lens = [70, 70, 3, 64, 65, 1, 70]
     kv = _paged_kv(lens, 16, 1, 16, F32, g)
     q = randn((len(lens), 3, 16), F32, g).cpu()
-    got, want = _decode_both(q, kv)
+    got, want = _decode_both(q, kv, cpu_backend.gathered_decode_attention)
     assert_close(got, want, F32)
 
 
-def test_decode_hints_scale_and_strided_q():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_hints_scale_and_strided_q(impl):
     """A custom scale, a non-contiguous q (a slice of a fused qkv tensor) and a too-small
     max_seq_len hint (ignored: lengths come from seq_lens)."""
     g = generator(3)
     lens = [300, 1, 77]
     kv = _paged_kv(lens, 16, 2, 64, F32, g)
     qkv = randn((len(lens), 8 + 2 * 2, 64), F32, g).cpu()
-    got, want = _decode_both(qkv[:, :8], kv, scale=0.3, max_seq_len=10)
+    got, want = _decode_both(qkv[:, :8], kv, impl, scale=0.3, max_seq_len=10)
     assert_close(got, want, F32)
 
 
-def test_decode_garbage_table_padding_never_read():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_garbage_table_padding_never_read(impl):
     """Table columns past a sequence's last block may be stale or out of range."""
     g = generator(5)
     lens = [5, 40, 17]
@@ -108,21 +119,21 @@ def test_decode_garbage_table_padding_never_read():
         spare = kv.block_tables.shape[1] - need
         kv.block_tables[b, need:] = garbage.repeat(spare)[:spare]
     q = randn((3, 2, 32), F32, g).cpu()
-    got, want = _decode_both(q, kv)
+    got, want = _decode_both(q, kv, impl)
     assert_close(got, want, F32)
 
 
-def test_decode_zero_length_sequence_and_empty_batch():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_zero_length_sequence_and_empty_batch(impl):
     g = generator(9)
     kv = _paged_kv([20, 1, 1], 8, 2, 16, F32, g)
     kv.seq_lens[1] = 0  # an empty sequence: attention over nothing is 0, as the reference
     q = randn((3, 4, 16), F32, g).cpu()
-    got, want = _decode_both(q, kv)
+    got, want = _decode_both(q, kv, impl)
     assert_close(got, want, F32)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     empty = q[:0]
-    out = cpu_backend.paged_decode_attention(empty, kv.k_cache, kv.v_cache,
-                                             kv.block_tables[:0], kv.seq_lens[:0])
+    out = impl(empty, kv.k_cache, kv.v_cache, kv.block_tables[:0], kv.seq_lens[:0])
     assert out.shape == (0, 4, 16)
 
 
@@ -172,9 +183,10 @@ def test_store_kv_bit_exact(dtype, padding):
 
 
 def test_same_ops_as_reference():
+    """The reference's ops, plus the torch decode path the native kernel falls back to."""
     names = ["store_kv", "paged_decode_attention", "paged_prefill_attention",
              "clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe"]
-    assert sorted(cpu_backend.__all__) == sorted(names)
+    assert sorted(cpu_backend.__all__) == sorted(names + ["gathered_decode_attention"])
     for name in ("clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe"):
         assert getattr(cpu_backend, name) is getattr(reference, name)
 
@@ -193,7 +205,7 @@ def test_workspace_grown_under_inference_mode_is_usable_outside():
             for mode in (True, False):
                 with torch.inference_mode(mode):
                     q = randn((3, 4, 16), F32, g).cpu()
-                    got, want = _decode_both(q, kv)
+                    got, want = _decode_both(q, kv, cpu_backend.gathered_decode_attention)
                     assert_close(got, want, F32)
         except BaseException as e:  # noqa: BLE001 - reported in the main thread
             errors.append(e)

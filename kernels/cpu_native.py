@@ -1,0 +1,201 @@
+"""Native CPU kernels: C sources in ``kernels/csrc`` built on first use with the system C
+compiler and called through ``ctypes``.
+
+Why C and not more torch ops: on the CPU, paged decode attention through torch has to
+gather every sequence's K/V blocks into a dense copy before ``scaled_dot_product_attention``
+(the copy is as much traffic as the attention itself), and at decode shapes SDPA's fixed
+cost per (sequence, head) dominates. The C kernel reads each K/V row once, straight from
+the paged cache. It uses no torch headers, so a build takes about a second (a torch
+extension takes ~40 s); OpenMP is resolved against the ``libgomp`` torch already loaded,
+so both share one thread pool.
+
+Built libraries are cached under ``$DEEPINFER_CACHE_DIR`` (default
+``~/.cache/deepinfer``), keyed by the source, the compiler flags, the compiler and the
+machine. ``DEEPINFER_NATIVE_CPU=0`` turns the native path off; so does a missing or failing
+compiler (one warning, then the torch path runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
+_MAX_GROUP = 64
+_MAX_DIM = 512
+_BAD_SHAPE = 1
+# -Wno-psabi: without -march=native GCC notes that 32-byte vectors change the (internal) ABI.
+_BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DEEPINFER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deepinfer")
+    return Path(root) / "native"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: a library built for one CPU must not be loaded
+    on another (a shared home directory across machines)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compiles SOURCE into ``out`` (atomically); returns None or the compiler's error."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            return (proc.stderr or proc.stdout).strip()[-2000:]
+        os.replace(tmp, out)  # concurrent builders each finish their own file
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The built kernel library, or None when the native path is off or cannot be built
+    (the reason is given once as a warning)."""
+    if os.environ.get("DEEPINFER_NATIVE_CPU", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("no C compiler found (set CC): the CPU backend runs its torch path, "
+                      "a few times slower at decode", RuntimeWarning, stacklevel=2)
+        return None
+    source = SOURCE.read_bytes()
+    err = None
+    # -march=native first (vector width of this CPU); plain -O3 where the compiler lacks it.
+    for flags in (_BASE_FLAGS + ["-march=native"], _BASE_FLAGS):
+        key = hashlib.sha256(b"\0".join([
+            source, " ".join(flags).encode(), cc.encode(), platform.machine().encode(),
+            _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
+        path = _cache_dir() / f"paged_decode_cpu-{key}.so"
+        if not path.exists():
+            try:
+                err = _compile(cc, flags, path)
+            except (OSError, subprocess.SubprocessError) as exc:
+                err = str(exc)
+            if err is not None:
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            err = str(exc)
+            continue
+        fn = lib.paged_decode_attention_cpu
+        fn.restype = ctypes.c_int64
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
+                       + [ctypes.c_int32] * 3)
+        return lib
+    warnings.warn(f"could not build the native CPU kernels with {cc} ({err}): the CPU "
+                  "backend runs its torch path, a few times slower at decode",
+                  RuntimeWarning, stacklevel=2)
+    return None
+
+
+def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode_attention` takes these inputs: CPU tensors, an fp32 or
+    bf16 cache (both caches alike, contiguous), block size <= 64, at most 64 query heads
+    per KV head, head dim a multiple of 8 and <= 512, int32/int64 block tables. Builds
+    the library on first call."""
+    if q.device.type != "cpu" or k_cache.device.type != "cpu" or q.dim() != 3:
+        return False
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        return False
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    _, block_size, hkv, d = k_cache.shape
+    hq = q.shape[1]
+    if (block_size > MAX_BLOCK_SIZE or hkv == 0 or hq % hkv or hq // hkv > _MAX_GROUP
+            or d > _MAX_DIM or d % 8 or q.shape[2] != d):
+        return False
+    if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
+        return False
+    if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
+        return False
+    return native_library() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its ``seq_lens[b]`` cached keys, by the C kernel.
+
+    q ``[B, Hq, D]`` (any float dtype); k_cache/v_cache ``[num_blocks, block_size, Hkv,
+    D]`` fp32 or bf16, contiguous; block_tables ``[B, W]`` int32/int64; seq_lens ``[B]``.
+    Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given); fp32 math. A sequence
+    of length 0 gets zeros. Call only where :func:`can_decode` holds. Raises IndexError
+    naming the sequence when its length needs more blocks than its table row has or its
+    table names a block outside the cache (nothing is read out of bounds).
+    """
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see can_decode)")
+    b, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    scale = d**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    # The scale folded into q once (B x Hq x D multiplies, not one per score).
+    qs = q.to(torch.float32).mul(scale).contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    res = out if direct else torch.empty((b, hq, d), dtype=torch.float32)
+    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if lens.shape[0] < b or tables.shape[0] < b:
+        raise ValueError(f"paged_decode_attention: {b} queries but seq_lens has "
+                         f"{lens.shape[0]} and block_tables {tables.shape[0]} rows")
+    rc = lib.paged_decode_attention_cpu(
+        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), res.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
+        tables.shape[1], int(k_cache.dtype == torch.bfloat16),
+        int(tables.dtype == torch.int64), torch.get_num_threads())
+    if rc == _BAD_SHAPE:
+        raise ValueError(f"paged_decode_attention: shapes the native kernel cannot take "
+                         f"(q {tuple(q.shape)}, cache {tuple(k_cache.shape)})")
+    if rc < 0:
+        s = -rc - 1
+        raise IndexError(
+            f"paged_decode_attention: sequence {s} (seq_len {int(lens[s])}) needs "
+            f"{-(-int(lens[s]) // block_size)} blocks but its block_tables row has "
+            f"{tables.shape[1]} entries or names a block outside the cache's {num_blocks}")
+    if not direct:
+        out.copy_(res)
+    return out

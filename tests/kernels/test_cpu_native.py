@@ -1,0 +1,209 @@
+"""kernels.cpu_native: the C paged decode kernel (built here with the system compiler)
+against the torch reference, its input checks, and the fallbacks when it cannot be built.
+
+Fresh random data per case; caches are NaN outside the live tokens and spare table columns
+point at NaN blocks (make_paged_kv), so a read past a sequence's end shows as NaN; ``out``
+is NaN-poisoned before each call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kernels import cpu_backend, cpu_native, reference
+from tests.kernels.helpers import assert_close, generator, make_paged_kv, randn, seed_for
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the native kernel cannot "
+                                                  "be built (the torch path runs instead)")
+
+
+def _paged_kv(lens, bs, hkv, d, dtype, g, extra_cols=2):
+    kv = make_paged_kv(lens, bs, hkv, d, dtype, g, extra_cols=extra_cols)
+    kv.k_cache, kv.v_cache = kv.k_cache.cpu(), kv.v_cache.cpu()
+    kv.block_tables, kv.seq_lens = kv.block_tables.cpu(), kv.seq_lens.cpu()
+    return kv
+
+
+def _native_vs_reference(q, kv, out=None, **kwargs):
+    out = torch.full_like(q, float("nan")) if out is None else out.fill_(float("nan"))
+    got = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                            kv.seq_lens, out=out, **kwargs)
+    assert got is out
+    want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                            kv.seq_lens, **kwargs)
+    return got, want
+
+
+@needs_cc
+def test_library_builds_where_a_compiler_exists():
+    assert cpu_native.native_library() is not None
+
+
+# (q heads, kv heads, head_dim, block_size, dtype, seq_lens)
+CASES = [
+    pytest.param(4, 2, 16, 16, F32, [141, 1, 16, 17, 33], id="tiny-gqa2-f32"),
+    pytest.param(9, 3, 64, 16, F32, [300, 2, 64, 129], id="smollm-gqa3-f32"),
+    pytest.param(16, 1, 32, 8, F32, [9, 40, 1], id="mqa16-bs8"),
+    pytest.param(8, 8, 128, 64, BF16, [200, 64, 65, 3], id="mha-d128-bs64-bf16"),
+    pytest.param(12, 2, 80, 32, BF16, [77, 32, 5], id="gqa6-d80-bs32-bf16"),
+    pytest.param(32, 4, 8, 16, F32, [50, 18], id="gqa8-d8"),
+]
+
+
+@needs_cc
+@pytest.mark.parametrize("hq, hkv, d, bs, dtype, lens", CASES)
+def test_matches_reference(hq, hkv, d, bs, dtype, lens):
+    g = generator(seed_for("cpu-native", hq, hkv, d, bs, dtype, lens))
+    kv = _paged_kv(lens, bs, hkv, d, dtype, g)
+    q = randn((len(lens), hq, d), dtype, g).cpu()
+    assert cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    got, want = _native_vs_reference(q, kv)
+    assert_close(got, want, dtype)
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 3])
+def test_ragged_batch_over_threads_and_int64_tables(threads):
+    """Many ragged sequences shared out over threads (dynamic schedule), int64 tables."""
+    g = generator(seed_for("cpu-native-threads", threads))
+    lens = [int(x) for x in torch.randint(1, 120, (37,), generator=g)]
+    lens[5] = lens[20] = 0  # attention over nothing: zeros (the reference gives NaN there)
+    kv = _paged_kv(lens, 16, 2, 32, F32, g)
+    kv.block_tables = kv.block_tables.long()
+    q = randn((len(lens), 6, 32), F32, g).cpu()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = _native_vs_reference(q, kv)
+    finally:
+        torch.set_num_threads(before)
+    live = [b for b, n in enumerate(lens) if n]
+    assert_close(got[live], want[live], F32)
+    assert torch.equal(got[[5, 20]], torch.zeros_like(got[[5, 20]]))
+
+
+@needs_cc
+def test_large_score_range_and_custom_scale():
+    """Scores spread over hundreds: the per-block online-softmax rescale and exp's
+    underflow to 0 for keys far below the maximum."""
+    g = generator(seed_for("cpu-native-range"))
+    lens = [250, 97]
+    kv = _paged_kv(lens, 16, 2, 64, F32, g)
+    q = randn((2, 4, 64), F32, g).cpu() * 12.0
+    got, want = _native_vs_reference(q, kv, scale=0.5)
+    assert_close(got, want, F32)
+
+
+@needs_cc
+@pytest.mark.parametrize("kind", ["strided-f32", "bf16"])
+def test_output_not_written_directly(kind):
+    """An fp32 ``out`` that is not contiguous, and a bf16 ``out``: the kernel writes a
+    scratch result that is copied in."""
+    g = generator(seed_for("cpu-native-out", kind))
+    lens = [40, 3]
+    dtype = BF16 if kind == "bf16" else F32
+    kv = _paged_kv(lens, 8, 2, 16, dtype, g)
+    q = randn((2, 4, 16), dtype, g).cpu()
+    out = (torch.empty((2, 8, 16), dtype=dtype)[:, ::2] if kind == "strided-f32"
+           else torch.empty((2, 4, 16), dtype=dtype))
+    got, want = _native_vs_reference(q, kv, out=out)
+    assert_close(got, want, dtype)
+
+
+@needs_cc
+def test_bad_tables_raise_naming_the_sequence():
+    g = generator(seed_for("cpu-native-bad"))
+    lens = [20, 40, 5]
+    kv = _paged_kv(lens, 16, 2, 16, F32, g, extra_cols=0)
+    q = randn((3, 4, 16), F32, g).cpu()
+    args = (q, kv.k_cache, kv.v_cache)
+    bad_id = kv.block_tables.clone()
+    bad_id[1, 1] = kv.k_cache.shape[0]  # a needed column past the cache
+    with pytest.raises(IndexError, match="sequence 1 "):
+        cpu_native.paged_decode_attention(*args, bad_id, kv.seq_lens)
+    negative = kv.block_tables.clone()
+    negative[2, 0] = -1
+    with pytest.raises(IndexError, match="sequence 2 "):
+        cpu_native.paged_decode_attention(*args, negative, kv.seq_lens)
+    too_long = kv.seq_lens.clone()
+    too_long[0] = 16 * kv.block_tables.shape[1] + 1  # needs one more block than the row has
+    with pytest.raises(IndexError, match="sequence 0 "):
+        cpu_native.paged_decode_attention(*args, kv.block_tables, too_long)
+
+
+def test_inputs_it_does_not_take_fall_back_to_torch():
+    """fp16 caches, head dims not a multiple of 8, blocks over 64 tokens: can_decode says
+    no and cpu_backend's entry point still matches the reference (torch path)."""
+    g = generator(seed_for("cpu-native-fallback"))
+    cases = [(F16, 16, 16), (F32, 12, 16), (F32, 16, 128)]
+    for dtype, d, bs in cases:
+        kv = _paged_kv([70, 9], bs, 2, d, dtype, g)
+        q = randn((2, 4, d), dtype, g).cpu()
+        assert not cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                         kv.seq_lens), (dtype, d, bs)
+        out = torch.full_like(q, float("nan"))
+        got = cpu_backend.paged_decode_attention(q, kv.k_cache, kv.v_cache,
+                                                 kv.block_tables, kv.seq_lens, out=out)
+        want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache,
+                                                kv.block_tables, kv.seq_lens)
+        assert_close(got, want, dtype)
+
+
+_CHILD = textwrap.dedent("""
+    import json, warnings
+    import torch
+    from kernels import cpu_backend, cpu_native, reference
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib = cpu_native.native_library()
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 16, 2, 16, generator=g), torch.randn(6, 16, 2, 16, generator=g)
+    tables = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    lens = torch.tensor([20, 31], dtype=torch.int32)
+    q = torch.randn(2, 4, 16, generator=g)
+    got = cpu_backend.paged_decode_attention(q, kc, vc, tables, lens)
+    want = reference.paged_decode_attention(q, kc, vc, tables, lens)
+    print(json.dumps({"lib": lib is not None, "close": bool(torch.allclose(got, want, atol=2e-5)),
+                      "warnings": [str(w.message) for w in caught]}))
+""")
+
+
+def _child(tmp_path, **env) -> dict:
+    import json
+
+    full = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                          env=full, timeout=300, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_switched_off_by_environment(tmp_path):
+    res = _child(tmp_path, DEEPINFER_NATIVE_CPU="0")
+    assert res == {"lib": False, "close": True, "warnings": []}
+    assert not any(tmp_path.rglob("*.so"))  # nothing was built
+
+
+def test_failing_compiler_warns_once_and_torch_path_runs(tmp_path):
+    res = _child(tmp_path, CC="false")
+    assert not res["lib"] and res["close"]
+    assert len(res["warnings"]) == 1 and "could not build" in res["warnings"][0]
+
+
+@needs_cc
+def test_build_is_cached_per_source_and_flags(tmp_path):
+    """A fresh cache directory gets one library; a second process reuses it."""
+    first = _child(tmp_path)
+    built = sorted(tmp_path.rglob("*.so"))
+    second = _child(tmp_path)
+    assert first["lib"] and second["lib"] and first["close"] and second["close"]
+    assert len(built) == 1 and sorted(tmp_path.rglob("*.so")) == built
+    assert not any(p.suffix == ".so" and p.name.startswith("tmp") for p in built)
