@@ -12,12 +12,52 @@ window does not move, so a character is emitted whole once its last byte arrives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Prompt tokens of left context in the first window (enough for any merge/space rule).
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+# Candidate prefixes decoded per batch while decode_once drops an incomplete tail.
+_TAIL_BATCH = 32
+
+
+def _backend_tokenizer(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` that ``tokenizer.decode`` would end up calling, or None
+    when its decode is not transformers' stock fast one (slow tokenizers, subclasses that
+    override decoding, test doubles): only then is skipping the wrapper the same text."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+        cls = type(tokenizer)
+        if (cls._decode is not PreTrainedTokenizerFast._decode
+                or cls.decode is not PreTrainedTokenizerBase.decode):
+            return None
+        backend = tokenizer.backend_tokenizer
+    except (ImportError, AttributeError):
+        return None
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``decode(ids) -> str``, the text of ``tokenizer.decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)``.
+
+    transformers' ``decode`` runs ``to_py_obj`` over the ids first (a Python-level pass,
+    most of the cost of a 600-token decode); with a stock fast tokenizer and no clean-up
+    it then only calls the Rust tokenizer's ``decode``, so call that directly."""
+    backend = _backend_tokenizer(tokenizer)
+    if backend is not None:
+        def decode(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens) if ids else ""
+    else:
+        def decode(ids: list[int]) -> str:
+            if not ids:
+                return ""
+            return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=False)
+    return decode
 
 
 class IncrementalDetokenizer:
@@ -37,7 +77,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or ()) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # Built once: this runs twice per token.
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        context = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]]
         # Window over `_ids` (the prompt's tail, then the output): [prefix, read) is
         # already in `text`, [read, end) is pending.
         self._ids: list[int] = context
@@ -49,14 +91,6 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_reason: str | None = None  # the stop string that matched
         self._emitted = 0  # len of the text returned by add() so far
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(
-            list(ids), skip_special_tokens=self.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
 
     def add(self, token_id: int) -> str:
         """Append one output token; returns the text that became final with it."""
@@ -118,22 +152,40 @@ def decode_once(tokenizer: Any, prompt_token_ids: Sequence[int], token_ids: Sequ
 
     The incremental path emits text only when its window does not end in an incomplete
     character, so tokens after its last emission are never in its text (a token can hold
-    a whole character and the first byte of the next). The same tail is dropped here:
-    while the decoded text ends in U+FFFD, the last token goes (one more decode each;
-    only outputs cut inside a character pay it)."""
-    context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-
-    def decode(ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                clean_up_tokenization_spaces=False)
-
+    a whole character and the first byte of the next). The same tail is dropped here: the
+    text is that of the longest prefix whose decode does not end in U+FFFD. Whether a
+    prefix's text ends in U+FFFD is not monotone in its length, so prefixes are tried
+    longest first; with a Rust tokenizer they are decoded in batches (a model that keeps
+    repeating a lone continuation-byte token would otherwise cost one full decode per
+    dropped token), else one decode each (only outputs cut inside a character pay it)."""
+    context = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]]
     ids = [int(t) for t in token_ids]
+    if not ids:
+        return ""
+    decode = _decoder(tokenizer, skip_special_tokens)
     prefix = decode(context)
-    while ids:
-        full = decode(context + ids)
-        if not full.endswith(_REPLACEMENT):
-            return full[len(prefix):]
-        ids.pop()
+    full = decode(context + ids)
+    if not full.endswith(_REPLACEMENT):
+        return full[len(prefix):]
+
+    backend = _backend_tokenizer(tokenizer)
+    if backend is None:
+        while len(ids) > 1:
+            ids.pop()
+            full = decode(context + ids)
+            if not full.endswith(_REPLACEMENT):
+                return full[len(prefix):]
+        return ""
+
+    seq = context + ids
+    # Output lengths still to try, longest first (the full length is known to fail).
+    end = len(ids) - 1
+    while end > 0:
+        lengths = range(end, max(end - _TAIL_BATCH, 0), -1)
+        texts = backend.decode_batch([seq[:len(context) + n] for n in lengths],
+                                     skip_special_tokens=skip_special_tokens)
+        for text in texts:
+            if not text.endswith(_REPLACEMENT):
+                return text[len(prefix):]
+        end -= _TAIL_BATCH
     return ""

@@ -198,3 +198,217 @@ def test_decode_once_sentencepiece_leading_space_and_byte_fallback(sp_tok):
         det.add(t)
         assert decode_once(tok, prompt, ids[:n]) == det.text, n
     assert det.text == " Hello world€! done"
+
+
+# --- decode_once's trailing-incomplete-character search and the fast decode helper -----
+
+FFFD = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def bpe_tok():
+    """The tiny byte-level BPE of the random-weights checkpoints (non-ASCII bytes unmerged)."""
+    from deepinfer.random_model import build_bpe_tokenizer
+
+    return build_bpe_tokenizer()
+
+
+def kept_length(tok, prompt, ids, skip):
+    """How many output tokens decode_once must keep: the longest prefix whose decode
+    (after 5 prompt tokens of context) does not end in U+FFFD, found by the definition,
+    one tokenizer.decode per dropped token; 0 if none."""
+    ctx = list(prompt[-5:])
+    for n in range(len(ids), 0, -1):
+        if not tok.decode(ctx + list(ids[:n]), skip_special_tokens=skip,
+                          clean_up_tokenization_spaces=False).endswith(FFFD):
+            return n
+    return 0
+
+
+def reference_decode_once(tok, prompt, ids, skip):
+    n = kept_length(tok, prompt, ids, skip)
+    if n == 0:
+        return ""
+    ctx = list(prompt[-5:])
+
+    def dec(x):
+        return tok.decode(x, skip_special_tokens=skip, clean_up_tokenization_spaces=False) \
+            if x else ""
+
+    return dec(ctx + list(ids[:n]))[len(dec(ctx)):]
+
+
+def incomplete_tail_cases(name, request):
+    """(tokenizer, prompt, outputs): outputs that end in runs of tokens holding an
+    incomplete UTF-8 sequence, around the 32-candidate batch boundaries."""
+    if name == "sp":
+        tok, vocab = request.getfixturevalue("sp_tok")
+
+        def byte_ids(s):
+            return [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+
+        head = [vocab["▁Hello"], vocab["▁world"]]
+        prompt = [1, vocab["▁the"], vocab["▁end"]]
+        eos = 2
+    else:
+        tok = request.getfixturevalue("smol_tok" if name == "smol" else "bpe_tok")
+
+        def byte_ids(s):
+            return tok.encode(s)
+
+        head = tok.encode("Hello world ")
+        prompt = tok.encode("Say something: ")
+        eos = tok.eos_token_id
+    euro, emoji = byte_ids("€"), byte_ids("😀")
+    # A token that decodes to a lone continuation byte ("€" is E2 82 AC).
+    cont = next(t for t in euro[1:] if tok.decode([t]) == FFFD) if len(euro) > 1 \
+        else next(t for t in emoji[1:] if tok.decode([t]) == FFFD)
+    outs = [head + [cont] * k for k in (1, 31, 32, 33, 64, 65, 100)]
+    outs += [
+        [cont] * 100,                                   # nothing is ever complete
+        head + emoji[:-1] + [cont] * 100,               # a split emoji, then the run
+        head + euro + emoji[:-1] + [cont] * 40,         # the last whole char is kept
+        head + euro[:1] + [eos] + [cont] * 40,          # special token after a lead byte
+        head + emoji + [eos] + emoji[:-1],              # ... and before a split char
+        head + euro[:-1] + [cont] * 20 + euro + [cont] * 45,
+    ]
+    return tok, prompt, outs
+
+
+class CountingBackend:
+    """Stands in for the Rust tokenizer, counting Python-level decode calls."""
+
+    def __init__(self, backend):
+        self.backend, self.decodes, self.batches, self.batched = backend, 0, 0, 0
+
+    def decode(self, ids, **kw):
+        self.decodes += 1
+        return self.backend.decode(ids, **kw)
+
+    def decode_batch(self, seqs, **kw):
+        self.batches += 1
+        self.batched += len(seqs)
+        return self.backend.decode_batch(seqs, **kw)
+
+
+class DecodeOnly:
+    """Exposes only ``decode``, so the detokenizer takes its generic path."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("name", ["bpe", "smol", "sp"])
+def test_decode_once_drops_long_incomplete_tails_in_batches(name, request, monkeypatch):
+    """The backend path: same text as the incremental path and as one-decode-per-token,
+    with two decodes plus a few batched calls instead of one decode per dropped token."""
+    from deepinfer import detokenizer
+    from deepinfer.detokenizer import _backend_tokenizer, decode_once
+
+    tok, prompt, outs = incomplete_tail_cases(name, request)
+    assert _backend_tokenizer(tok) is tok.backend_tokenizer
+    saw_long_tail = False
+    for out in outs:
+        for skip in (True, False):
+            expected = reference_decode_once(tok, prompt, out, skip)
+            det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            feed(det, out)
+            assert det.text == expected, (out, skip)
+            counting = CountingBackend(tok.backend_tokenizer)
+            with monkeypatch.context() as m:
+                m.setattr(detokenizer, "_backend_tokenizer", lambda _tok, c=counting: c)
+                assert decode_once(tok, prompt, out, skip_special_tokens=skip) == expected, \
+                    (out, skip)
+            assert counting.decodes == 2  # the context and the whole output
+            kept = kept_length(tok, prompt, out, skip)
+            # Candidates are tried longest first, 32 per call, none past the answer.
+            tried = len(out) - max(kept, 1)
+            assert counting.batches == -(-tried // 32), (out, skip)
+            assert tried <= counting.batched < tried + 32
+            saw_long_tail |= tried >= 100
+    assert saw_long_tail
+
+
+@pytest.mark.parametrize("name", ["bpe", "smol", "sp"])
+def test_decode_once_drops_long_incomplete_tails_generic_path(name, request):
+    """Without a Rust tokenizer to batch on: one decode per dropped token, same text."""
+    from deepinfer.detokenizer import _backend_tokenizer, decode_once
+
+    tok, prompt, outs = incomplete_tail_cases(name, request)
+    assert _backend_tokenizer(DecodeOnly(tok)) is None
+    for out in outs:
+        for skip in (True, False):
+            expected = reference_decode_once(tok, prompt, out, skip)
+            det = IncrementalDetokenizer(DecodeOnly(tok), prompt, skip_special_tokens=skip)
+            feed(det, out)
+            wrapped = DecodeOnly(tok)
+            assert decode_once(wrapped, prompt, out, skip_special_tokens=skip) \
+                == det.text == expected, (out, skip)
+            kept = kept_length(tok, prompt, out, skip)
+            # The context, then each length from the whole output down to the answer.
+            assert wrapped.calls == 1 + len(out) - max(kept, 1) + 1
+
+
+def random_ids(tok, rng, n):
+    specials = list(tok.all_special_ids)
+    return [rng.choice(specials) if rng.random() < 0.15 else rng.randrange(len(tok))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["bpe", "smol", "sp"])
+def test_fast_decoder_matches_tokenizer_decode(name, request, monkeypatch):
+    """The helper calls the Rust tokenizer directly, never ``tokenizer.decode``, and gives
+    its exact text (special tokens skipped or kept, no clean-up)."""
+    import random
+
+    from deepinfer.detokenizer import _backend_tokenizer, _decoder
+
+    tok = request.getfixturevalue({"bpe": "bpe_tok", "smol": "smol_tok", "sp": "sp_tok"}[name])
+    if name == "sp":
+        tok = tok[0]
+    assert _backend_tokenizer(tok) is tok.backend_tokenizer
+    rng = random.Random(0)
+    cases = [[]] + [random_ids(tok, rng, rng.randrange(1, 80)) for _ in range(300)]
+    assert any(set(ids) & set(tok.all_special_ids) for ids in cases)
+    expected = {skip: [tok.decode(ids, skip_special_tokens=skip,
+                                  clean_up_tokenization_spaces=False) for ids in cases]
+                for skip in (True, False)}
+    assert expected[True] != expected[False]
+
+    def no_wrapper(*args, **kwargs):
+        raise AssertionError("tokenizer.decode called")
+
+    monkeypatch.setattr(tok, "decode", no_wrapper)
+    for skip in (True, False):
+        decode = _decoder(tok, skip)
+        assert [decode(ids) for ids in cases] == expected[skip]
+        # The incremental detokenizer decodes through it too.
+        det = IncrementalDetokenizer(tok, cases[1], skip_special_tokens=skip)
+        feed(det, cases[2])
+
+
+def test_decoder_respects_overridden_decode(bpe_tok):
+    """A tokenizer class with its own decoding is not bypassed; neither is a test double."""
+    from transformers import PreTrainedTokenizerFast
+
+    from deepinfer.detokenizer import _backend_tokenizer, _decoder, decode_once
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    tok = Shouting(tokenizer_object=bpe_tok.backend_tokenizer, unk_token="<unk>",
+                   bos_token="<s>", eos_token="</s>")
+    ids = bpe_tok.encode("Hello world, the end")
+    assert _backend_tokenizer(tok) is None
+    assert _decoder(tok, True)(ids) == "HELLO WORLD, THE END"
+    assert decode_once(tok, [], ids) == "HELLO WORLD, THE END"
+    det = IncrementalDetokenizer(tok, [])
+    feed(det, ids)
+    assert det.text == "HELLO WORLD, THE END"
+    wrapped = DecodeOnly(bpe_tok)
+    assert _decoder(wrapped, True)(ids) == "Hello world, the end" and wrapped.calls == 1
