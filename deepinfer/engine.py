@@ -299,7 +299,10 @@ class LLMEngine:
             if slot not in fresh:
                 continue
             fresh.discard(slot)  # a chunked prompt is recorded at its first chunk only
-            self._start_sample(self.requests[seq.request_id], seq)
+            req = self.requests[seq.request_id]
+            self._start_sample(req, seq)
+            if not req.params.uses_penalties:
+                continue  # its counts are never read (a fork copies its parent's params)
             p_tok += seq.prompt_token_ids
             p_slot += [slot] * len(seq.prompt_token_ids)
             o_tok += seq.output_token_ids

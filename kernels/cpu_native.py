@@ -110,7 +110,7 @@ def native_library() -> ctypes.CDLL | None:
             continue
         fn = lib.paged_decode_attention_cpu
         fn.restype = ctypes.c_int64
-        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
                        + [ctypes.c_int32] * 3)
         return lib
     warnings.warn(f"could not build the native CPU kernels with {cc} ({err}): the CPU "
@@ -157,7 +157,8 @@ def paged_decode_attention(
     """One query per sequence against its ``seq_lens[b]`` cached keys, by the C kernel.
 
     q ``[B, Hq, D]`` (any float dtype); k_cache/v_cache ``[num_blocks, block_size, Hkv,
-    D]`` fp32 or bf16, contiguous; block_tables ``[B, W]`` int32/int64; seq_lens ``[B]``.
+    D]`` fp32 or bf16, contiguous; block_tables ``[B, W]`` int32/int64 (any row stride);
+    seq_lens ``[B]``.
     Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given); fp32 math. A sequence
     of length 0 gets zeros. Call only where :func:`can_decode` holds. Raises IndexError
     naming the sequence when its length needs more blocks than its table row has or its
@@ -177,7 +178,9 @@ def paged_decode_attention(
     qs = q.to(torch.float32).mul(scale).contiguous()
     direct = out.dtype == torch.float32 and out.is_contiguous()
     res = out if direct else torch.empty((b, hq, d), dtype=torch.float32)
-    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    # Rows may be a slice of a wider buffer (the scheduler's launch tensors): passed with
+    # their stride, no copy.
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     if lens.shape[0] < b or tables.shape[0] < b:
         raise ValueError(f"paged_decode_attention: {b} queries but seq_lens has "
@@ -185,7 +188,7 @@ def paged_decode_attention(
     rc = lib.paged_decode_attention_cpu(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), res.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
-        tables.shape[1], int(k_cache.dtype == torch.bfloat16),
+        tables.shape[1], tables.stride(0), int(k_cache.dtype == torch.bfloat16),
         int(tables.dtype == torch.int64), torch.get_num_threads())
     if rc == _BAD_SHAPE:
         raise ValueError(f"paged_decode_attention: shapes the native kernel cannot take "

@@ -5,7 +5,7 @@
  * needs no torch headers (a build takes about a second). Layout as in docs/kernels.md:
  *   q        [B, Hq, D]            float32, contiguous, already multiplied by the scale
  *   k/v      [NB, BS, Hkv, D]      float32 or bfloat16, contiguous
- *   tables   [B, W]                int32 or int64, contiguous
+ *   tables   [B, W]                int32 or int64, rows `table_stride` apart
  *   seq_lens [B]                   int32
  *   out      [B, Hq, D]            float32, contiguous
  * D must be a multiple of 8 (one 8-float vector: AVX2, or two NEON registers).
@@ -237,8 +237,8 @@ int64_t paged_decode_attention_cpu(
     const float *q, const void *k_cache, const void *v_cache, const void *block_tables,
     const int32_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
-    int64_t table_width, int32_t cache_is_bf16, int32_t tables_are_int64,
-    int32_t num_threads) {
+    int64_t table_width, int64_t table_stride, int32_t cache_is_bf16,
+    int32_t tables_are_int64, int32_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim <= 0 || dim % 8 != 0)
         return BAD_SHAPE;
     int64_t group = num_heads / num_kv_heads, chunks = dim / 8;
@@ -264,8 +264,8 @@ int64_t paged_decode_attention_cpu(
         int ok = 1;
         for (int64_t j = 0; j < nblocks; ++j) {
             ids[j] = tables_are_int64
-                ? ((const int64_t *)block_tables)[b * table_width + j]
-                : ((const int32_t *)block_tables)[b * table_width + j];
+                ? ((const int64_t *)block_tables)[b * table_stride + j]
+                : ((const int32_t *)block_tables)[b * table_stride + j];
             ok &= ids[j] >= 0 && ids[j] < num_blocks;
         }
         if (!ok) {

@@ -82,6 +82,26 @@ def test_penalties_change_greedy_output(llm):
         assert len(set(out.token_ids)) > len(set(base)), kw
 
 
+def test_penalty_state_kept_only_for_penalized_samples(llm):
+    """Token counts are recorded only for samples with a penalty (a greedy batch without
+    one copies no logits and counts nothing), and a penalized sample batched with plain
+    ones gives what it gives alone, as do the plain ones."""
+    states = llm.engine.runner.states
+    for t in states:
+        t.zero_()
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain_alone = _gen(llm, [OTHER[0]], plain)[0].outputs[0].token_ids
+    _gen(llm, OTHER, plain)
+    assert not any(bool(t.any()) for t in states)
+    pen = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                         repetition_penalty=3.0, frequency_penalty=0.5)
+    alone = _gen(llm, [PROMPT], pen)[0].outputs[0].token_ids
+    assert any(bool(t.any()) for t in states)
+    mixed = _gen(llm, [OTHER[0], PROMPT, OTHER[1]], [plain, pen, plain])
+    assert mixed[1].outputs[0].token_ids == alone
+    assert mixed[0].outputs[0].token_ids == plain_alone
+
+
 def test_top_k_one_is_greedy(llm):
     greedy = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=10,
                                                 ignore_eos=True))[0].outputs[0].token_ids

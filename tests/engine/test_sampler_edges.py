@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from deepinfer.sampler import Sampler, SamplingTensors
+from deepinfer.sampler import Sampler, SamplingTensors, argmax_rows
 from deepinfer.sampling_params import SamplingParams as SP
 
 V = 16
@@ -127,3 +127,26 @@ def test_seeded_samples_of_one_request_draw_apart():
     again = _seeded_draws(steps=[3] * 64, sample_indices=list(range(64)))
     assert again == apart
     assert _seeded_draws(steps=[3] * 64, sample_indices=[0] * 64) == [apart[0]] * 64
+
+
+def test_argmax_rows_follows_torch_rules():
+    """The numpy fast path (contiguous fp32 CPU) and the torch path agree with
+    torch.argmax: first index on ties, NaN counts as the maximum, inf beats finite."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 300, generator=g)
+    x[1, 3] = float("nan")
+    x[2, :] = 1.5  # all tied: index 0
+    x[3, 10] = x[3, 20] = float("inf")
+    x[4, 1] = x[4, 6] = float("nan")
+    x[5, 299] = 1e30
+    x[6, :] = float("-inf")
+    want = x.argmax(dim=-1)
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[1] == 3 and got[2] == 0 and got[3] == 10 and got[4] == 1 and got[5] == 299
+    # Other layouts and dtypes take torch's own argmax.
+    assert torch.equal(argmax_rows(x.t().contiguous().t()), want)
+    assert torch.equal(argmax_rows(x.double()), want)
+    with torch.inference_mode():  # the engine samples under inference_mode
+        y = torch.randn(8, 50, generator=g)
+        assert torch.equal(argmax_rows(y), y.argmax(dim=-1))

@@ -73,12 +73,17 @@ def test_matches_reference(hq, hkv, d, bs, dtype, lens):
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 3])
 def test_ragged_batch_over_threads_and_int64_tables(threads):
-    """Many ragged sequences shared out over threads (dynamic schedule), int64 tables."""
+    """Many ragged sequences shared out over threads (dynamic schedule), int64 tables
+    with a row stride wider than the row."""
     g = generator(seed_for("cpu-native-threads", threads))
     lens = [int(x) for x in torch.randint(1, 120, (37,), generator=g)]
     lens[5] = lens[20] = 0  # attention over nothing: zeros (the reference gives NaN there)
     kv = _paged_kv(lens, 16, 2, 32, F32, g)
-    kv.block_tables = kv.block_tables.long()
+    # int64, and rows of a wider buffer (as the scheduler's launch tensors are sliced).
+    wide = torch.full((len(lens), kv.block_tables.shape[1] + 5), -7, dtype=torch.int64)
+    wide[:, : kv.block_tables.shape[1]] = kv.block_tables
+    kv.block_tables = wide[:, : kv.block_tables.shape[1]]
+    assert not kv.block_tables.is_contiguous()
     q = randn((len(lens), 6, 32), F32, g).cpu()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
