@@ -356,8 +356,10 @@ def load_nanovllm(src: str) -> NanoLoop:
 
 
 def time_nano(nano: NanoLoop, model_dir: str, num_seqs: int, steps: int, vocab: int,
-              seed: int) -> float:
-    """Seconds per decode step of nano-vllm's host loop with ``num_seqs`` sequences."""
+              seed: int, between: Callable[[], None] | None = None) -> float:
+    """Seconds per decode step of nano-vllm's host loop with ``num_seqs`` sequences.
+    ``between``: run (untimed) before each timed step, e.g. a forward, so that the loop
+    meets caches in the state a real run leaves them."""
     block = 256  # nano-vllm's default kvcache_block_size (must be a multiple of 256)
     max_len = PROMPT_LEN + steps + 16
     # Config.__post_init__ reads config.json (AutoConfig): the tiny model's folder works.
@@ -384,10 +386,18 @@ def time_nano(nano: NanoLoop, model_dir: str, num_seqs: int, steps: int, vocab: 
     for _ in range(3):
         step()
     assert len(sched.running) == num_seqs
-    t0 = time.perf_counter()
+    if between is None:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    total = 0.0
     for _ in range(steps):
+        between()
+        t0 = time.perf_counter()
         step()
-    return (time.perf_counter() - t0) / steps
+        total += time.perf_counter() - t0
+    return total / steps
 
 
 # ---------------------------------------------------------------------------- dense floor
@@ -433,10 +443,10 @@ def dense_step(model, kc: list[torch.Tensor], vc: list[torch.Tensor], pos: int,
     return F.linear(x, model.lm_head_weight).float().argmax(-1)
 
 
-@torch.inference_mode()
-def time_dense(model, num_seqs: int, steps: int, seed: int) -> float:
-    """Seconds per ``dense_step`` with ``num_seqs`` sequences, all at the same position,
-    from PROMPT_LEN on (the cache before it holds random K/V)."""
+def dense_runner(model, num_seqs: int, steps: int, seed: int) -> Callable[[], None]:
+    """A callable running one ``dense_step`` of ``num_seqs`` sequences per call, all at the
+    same position, from PROMPT_LEN on (the cache before it holds random K/V); the position
+    wraps back after ``steps + 2`` calls."""
     cfg = model.config
     dtype = next(model.parameters()).dtype
     ctx = PROMPT_LEN + steps + 4
@@ -444,12 +454,24 @@ def time_dense(model, num_seqs: int, steps: int, seed: int) -> float:
     shape = (num_seqs, cfg.num_kv_heads, ctx, cfg.head_dim)
     kc = [torch.randn(shape, generator=g, dtype=dtype) for _ in model.model.layers]
     vc = [torch.randn(shape, generator=g, dtype=dtype) for _ in model.model.layers]
-    tok = torch.randint(3, cfg.vocab_size, (num_seqs,), generator=g)
-    for s in range(2):
-        tok = dense_step(model, kc, vc, PROMPT_LEN + s, tok)
+    state = {"tok": torch.randint(3, cfg.vocab_size, (num_seqs,), generator=g), "s": 0}
+
+    @torch.inference_mode()
+    def run() -> None:
+        state["tok"] = dense_step(model, kc, vc, PROMPT_LEN + state["s"], state["tok"])
+        state["s"] = (state["s"] + 1) % (steps + 2)
+
+    return run
+
+
+def time_dense(model, num_seqs: int, steps: int, seed: int) -> float:
+    """Seconds per ``dense_step`` with ``num_seqs`` sequences (see ``dense_runner``)."""
+    run = dense_runner(model, num_seqs, steps, seed)
+    for _ in range(2):
+        run()
     t0 = time.perf_counter()
-    for s in range(steps):
-        tok = dense_step(model, kc, vc, PROMPT_LEN + s, tok)
+    for _ in range(steps):
+        run()
     return (time.perf_counter() - t0) / steps
 
 
@@ -464,6 +486,7 @@ class SizeResult:
     ours_steps: list[int] = field(default_factory=list)
     ours_host_alone: list[float] = field(default_factory=list)  # forward skipped
     nano: list[float] = field(default_factory=list)
+    nano_fwd: list[float] = field(default_factory=list)  # a dense forward between steps
     dense: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -474,12 +497,16 @@ class SizeResult:
                "ours_stats_decode_time_us": _median(self.ours_stats_decode),
                "ours_decode_steps_timed": self.ours_steps,
                "ours_host_alone_us": _median(self.ours_host_alone),
-               "nano_host_us": nano if self.nano else None, "dense_forward_us": dense,
+               "nano_host_us": nano if self.nano else None,
+               "nano_host_forward_between_us": _median(self.nano_fwd) if self.nano else None,
+               "dense_forward_us": dense,
                "reps_us": {"ours_total": self.ours_total, "ours_forward": self.ours_forward,
-                           "nano_host": self.nano, "dense_forward": self.dense}}
+                           "nano_host": self.nano, "nano_host_forward_between": self.nano_fwd,
+                           "dense_forward": self.dense}}
         if self.nano:
             out["total_vs_nano_plus_dense"] = tot / (nano + dense)
             out["host_vs_nano"] = (tot - fw) / nano
+            out["host_vs_nano_forward_between"] = (tot - fw) / _median(self.nano_fwd)
             out["host_alone_vs_nano"] = _median(self.ours_host_alone) / nano
         return out
 
@@ -511,6 +538,10 @@ def run_host_table(model_dir: str, sizes: list[int], steps: int, reps: int,
             r.ours_host_alone.append((z.total - z.forward) * 1e6 / z.tokens)
             if nano is not None:
                 r.nano.append(time_nano(nano, model_dir, n, steps, vocab, seed) * 1e6 / n)
+                # Like for like with 'ours host': the same caches a forward leaves behind.
+                fwd = dense_runner(llms[n].engine.model, n, steps, seed)
+                r.nano_fwd.append(time_nano(nano, model_dir, n, steps, vocab, seed,
+                                            between=fwd) * 1e6 / n)
             r.dense.append(time_dense(llms[n].engine.model, n, steps, seed) * 1e6 / n)
             log(f"  rep {rep + 1}/{reps}, {n} seqs: ours {r.ours_total[-1]:.1f} "
                 f"(fwd {r.ours_forward[-1]:.1f}, {o.steps} steps, {o.driven})"
@@ -537,28 +568,36 @@ class _zero_forward:
 
 def host_table_lines(rows: list[dict], nano_note: str) -> list[str]:
     lines = ["| seqs | ours total | ours forward | ours host | (of host: sampler) | "
-             "ours host, no forward between steps | nano-vllm host | dense forward | "
-             "ours total / (nano + dense) | ours host / nano host | "
-             "ours host (no forward) / nano host |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours host, no forward between steps | nano-vllm host | nano-vllm host, "
+             "forward between steps | dense forward | ours total / (nano + dense) | "
+             "ours host / nano host, both with a forward between | "
+             "ours host / nano host, neither | ours host (forward between) / nano host "
+             "(none) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        nano = "skipped" if r["nano_host_us"] is None else f"{r['nano_host_us']:.2f}"
-        ratio1 = ("-" if r["nano_host_us"] is None
-                  else f"{r['total_vs_nano_plus_dense']:.2f}x")
-        ratio2 = "-" if r["nano_host_us"] is None else f"{r['host_vs_nano']:.2f}x"
-        ratio3 = "-" if r["nano_host_us"] is None else f"{r['host_alone_vs_nano']:.2f}x"
+        have = r["nano_host_us"] is not None
+
+        def fmt(key: str, unit: str = "", r: dict = r, have: bool = have) -> str:
+            return f"{r[key]:.2f}{unit}" if have else "-"
+
         lines.append(f"| {r['num_seqs']} | {r['ours_total_us']:.2f} | "
                      f"{r['ours_forward_us']:.2f} | {r['ours_host_us']:.2f} | "
                      f"{r['ours_sampler_us']:.2f} | {r['ours_host_alone_us']:.2f} | "
-                     f"{nano} | {r['dense_forward_us']:.2f} | {ratio1} | {ratio2} | "
-                     f"{ratio3} |")
+                     f"{fmt('nano_host_us') if have else 'skipped'} | "
+                     f"{fmt('nano_host_forward_between_us')} | "
+                     f"{r['dense_forward_us']:.2f} | {fmt('total_vs_nano_plus_dense', 'x')} | "
+                     f"{fmt('host_vs_nano_forward_between', 'x')} | "
+                     f"{fmt('host_alone_vs_nano', 'x')} | {fmt('host_vs_nano', 'x')} |")
     lines.append("")
     lines.append("us per sequence per decode step (median of the repetitions). Targets: "
                  "ours total <= nano host + dense (ratio <= 1), ours host <= nano host. "
                  "'ours host' is a real run's step minus its forward (the forward's memory "
                  "traffic has evicted the host's data from the caches); 'no forward "
                  "between steps' times our host loop the way nano-vllm's is timed (the "
-                 "model's forward returns zeros at once; logits and sampling stay real). "
+                 "model's forward returns zeros at once; logits and sampling stay real); "
+                 "'nano-vllm host, forward between steps' runs the dense forward (untimed) "
+                 "before each of nano-vllm's timed steps, the like-for-like peer of 'ours "
+                 "host'. "
                  "Steps where requests finish (their outputs are built then, texts decoded "
                  "once) are left out of both, as nano-vllm's timed loop leaves out its "
                  "detokenization.")
@@ -821,7 +860,8 @@ def test_host_loop_smoke() -> None:
         torch.set_num_threads(threads)
     (r,) = rows
     keys = ["ours_total_us", "ours_forward_us", "dense_forward_us"]
-    keys += ["nano_host_us"] if r["nano_host_us"] is not None else []
+    keys += (["nano_host_us", "nano_host_forward_between_us"]
+             if r["nano_host_us"] is not None else [])
     for k in keys:
         assert math.isfinite(r[k]) and r[k] > 0, (k, r[k])
     assert r["ours_total_us"] > r["ours_forward_us"]

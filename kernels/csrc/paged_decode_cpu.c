@@ -139,8 +139,8 @@ static inline __attribute__((always_inline)) void attend_seq(
             const char *kn = (const char *)k_cache + blocks[j + 1] * bytes;
             const char *vn = (const char *)v_cache + blocks[j + 1] * bytes;
             for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch(kn + b, 0, 3);
-                __builtin_prefetch(vn + b, 0, 3);
+                __builtin_prefetch(kn + b, 0, 0);
+                __builtin_prefetch(vn + b, 0, 0);
             }
         }
         /* Scores, eight tokens at a time per head: eight dot-product vectors, one
