@@ -38,7 +38,11 @@ _MAX_GROUP = 64
 _MAX_DIM = 512
 _BAD_SHAPE = 1
 # -Wno-psabi: without -march=native GCC notes that 32-byte vectors change the (internal) ABI.
-_BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-Wno-psabi"]
+_BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi"]
+# Tried in order: this CPU's vector width with OpenMP threads; OpenMP alone; then neither
+# (a compiler without OpenMP, e.g. Apple clang: the kernel runs on one thread).
+_FLAG_SETS = (_BASE_FLAGS + ["-fopenmp", "-march=native"], _BASE_FLAGS + ["-fopenmp"],
+              _BASE_FLAGS)
 
 
 def _cache_dir() -> Path:
@@ -90,8 +94,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
     source = SOURCE.read_bytes()
     err = None
-    # -march=native first (vector width of this CPU); plain -O3 where the compiler lacks it.
-    for flags in (_BASE_FLAGS + ["-march=native"], _BASE_FLAGS):
+    for flags in _FLAG_SETS:
         key = hashlib.sha256(b"\0".join([
             source, " ".join(flags).encode(), cc.encode(), platform.machine().encode(),
             _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]

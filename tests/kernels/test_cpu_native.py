@@ -167,6 +167,7 @@ _CHILD = textwrap.dedent("""
     import json, warnings
     import torch
     from kernels import cpu_backend, cpu_native, reference
+    SETUP
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lib = cpu_native.native_library()
@@ -182,11 +183,12 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _child(tmp_path, **env) -> dict:
+def _child(tmp_path, setup: str = "pass", **env) -> dict:
     import json
 
     full = {**os.environ, "DEEPINFER_CACHE_DIR": str(tmp_path), **env}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+    code = _CHILD.replace("SETUP", setup)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=full, timeout=300, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -212,3 +214,11 @@ def test_build_is_cached_per_source_and_flags(tmp_path):
     assert first["lib"] and second["lib"] and first["close"] and second["close"]
     assert len(built) == 1 and sorted(tmp_path.rglob("*.so")) == built
     assert not any(p.suffix == ".so" and p.name.startswith("tmp") for p in built)
+
+
+@needs_cc
+def test_build_without_openmp_or_native_flags(tmp_path):
+    """The last resort of a compiler without OpenMP (Apple clang): plain flags, the
+    pragmas ignored, one thread; still the reference's results."""
+    res = _child(tmp_path, setup="cpu_native._FLAG_SETS = (cpu_native._BASE_FLAGS,)")
+    assert res == {"lib": True, "close": True, "warnings": []}
