@@ -327,12 +327,14 @@ def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:
 
 def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
                         top_p: torch.Tensor) -> None:
-    """Top-k then top-p with one descending sort; rows with ``top_p`` 1 skip top-p."""
+    """Top-k then top-p with one descending sort; rows with ``top_p`` 1 skip top-p.
+    Ties at the k-th value survive top-k, as in ``_top_k`` (and vLLM): which of several
+    equal logits the sort puts first must not decide which ones can be drawn."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     if top_k is not None:
-        pos = torch.arange(vocab, device=logits.device)
-        sorted_logits.masked_fill_(pos >= top_k.unsqueeze(1), float("-inf"))
+        kth = sorted_logits.gather(1, (top_k.clamp(min=1, max=vocab) - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens before it already reach top_p; the first always stays.
     before = probs.cumsum(dim=-1) - probs

@@ -150,3 +150,17 @@ def test_argmax_rows_follows_torch_rules():
     with torch.inference_mode():  # the engine samples under inference_mode
         y = torch.randn(8, 50, generator=g)
         assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.999])
+def test_top_k_keeps_ties_at_the_kth_value_with_and_without_top_p(top_p):
+    """A three-way tie for first place with top_k = 2: every tied token stays drawable,
+    whether top-k runs alone or in the sorted top-k + top-p path."""
+    logits = torch.full((1, V), -5.0)
+    logits[0, [3, 7, 11]] = 4.0
+    seen = set()
+    for seed in range(200):
+        sp = SP(temperature=1.0, top_k=2, top_p=top_p, seed=seed)
+        tokens, _ = run(logits.clone(), [sp])
+        seen.add(int(tokens[0]))
+    assert seen == {3, 7, 11}
