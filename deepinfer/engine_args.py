@@ -33,7 +33,9 @@ class EngineArgs:
     model: str | None = option(
         None, "HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)", type=str)
     dtype: str = option("auto", "weights and activations: auto, float32, float16 or "
-                        "bfloat16 (auto: float32 on CPU, the checkpoint's on CUDA)")
+                        "bfloat16 (auto: the checkpoint's on CUDA, bf16 for GGUF; on CPU "
+                        "bf16 for GGUF/bf16 checkpoints where the CPU has native bf16, "
+                        "else float32)")
     device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
     attention_backend: str = option(
         "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",

@@ -152,6 +152,11 @@ def pd_worker(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineA
     return loop.run(requests if is_prompt else [])
 
 
+# The KV dtype in the setup exchange (ranks on different machines may resolve "auto"
+# differently).
+KV_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
 class PDRounds:
     """The round loop of one rank (see the module docstring)."""
 
@@ -218,12 +223,17 @@ class PDRounds:
     def run(self, requests: list[PDRequest]) -> dict[str, Any]:
         c = self.sched.config
         with open(self.part, "a", encoding="utf-8") as self.out:
-            # Setup exchange: block size, KV blocks and positions of every rank.
+            # Setup exchange: block size, KV blocks, positions and KV dtype of every rank.
             cfg = self._gather([int(self.is_prompt), c.block_size, c.num_blocks,
-                                c.max_model_len] + [0] * (self.k + 1))
+                                c.max_model_len, KV_DTYPE_CODES[self.engine.dtype]]
+                               + [0] * self.k)
             if len({row[1] for row in cfg}) != 1:
                 raise ValueError("--pd: all ranks need the same block_size (KV moves by "
                                  "block)")
+            if len({row[4] for row in cfg}) != 1:
+                # dtype "auto" is bf16 on a CPU with native bf16 and fp32 on one without.
+                raise ValueError("--pd: the ranks resolved different dtypes (KV moves as "
+                                 "bytes): pass the same --dtype to all of them")
             if self.is_prompt:
                 self._add_requests(requests,
                                    [[row[2], row[3]] for row in cfg[self.num_prompt:]])

@@ -78,15 +78,41 @@ def resolve_model_path(path: str | None) -> str:
                             f"downloaded)")
 
 
+def cpu_flags_have_bf16(cpuinfo: str) -> bool:
+    """Whether a ``/proc/cpuinfo`` text lists native bf16 matrix instructions
+    (AVX512-BF16 or AMX-BF16, x86): then torch's bf16 matmuls run at about twice the fp32
+    speed; without them bf16 is emulated and slower than fp32."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[-1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def cpu_has_native_bf16() -> bool:
+    """:func:`cpu_flags_have_bf16` of this machine (False where /proc/cpuinfo is absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return cpu_flags_have_bf16(f.read())
+    except OSError:
+        return False
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype,
-                  device: torch.device, is_gguf: bool) -> torch.dtype:
-    """``"auto"``: float32 on CPU (fast and exact there); on CUDA the checkpoint's dtype,
-    bfloat16 for GGUF (weights are dequantized anyway)."""
+                  device: torch.device, is_gguf: bool,
+                  cpu_bf16: bool | None = None) -> torch.dtype:
+    """``"auto"``: on CUDA the checkpoint's dtype, bfloat16 for GGUF (weights are
+    dequantized anyway). On CPU bfloat16 for a GGUF or a bf16 checkpoint when the CPU has
+    native bf16 (``cpu_bf16``, detected when None: ~1.9x the fp32 throughput, the linear
+    layers being most of a CPU step), else float32 (exact, and faster than emulated bf16)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type != "cuda":
-            return torch.float32
+            if cpu_bf16 is None:
+                cpu_bf16 = cpu_has_native_bf16()
+            lossy = is_gguf or checkpoint_dtype == torch.bfloat16
+            return torch.bfloat16 if cpu_bf16 and lossy else torch.float32
         return torch.bfloat16 if is_gguf else checkpoint_dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected auto, float32, float16 or bfloat16")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from deepinfer.distributed.pd import PDOptions, PDRequest, assign_offers, parse_pd
 from deepinfer.distributed.pd_jobs import run_disaggregated
+from deepinfer.distributed.ranks import RankFailedError
 from deepinfer.engine_args import EngineArgs
 from deepinfer.sampling_params import SamplingParams
 from tests.engine.conftest import tiny_checkpoints  # noqa: F401  (the shared fixture)
@@ -106,6 +107,16 @@ def test_pd_back_pressure(llama, tmp_path):
     assert 1 <= p["max_pending"] <= 3
     assert p["credit_waits"] > 0  # the decode side did push back
     assert d["preemptions"] == 0 and d["received"] == len(PROMPTS)
+
+
+def test_pd_ranks_with_different_kv_dtypes_fail_clearly(llama, tmp_path):
+    """KV moves as bytes, so a PROMPT rank in fp32 and a COMPLETION rank in bf16 (as
+    dtype "auto" gives on two CPUs, one with native bf16) must stop at setup, naming the
+    option, not exchange garbage."""
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(RankFailedError, match="different dtypes.*--dtype"):
+        run_disaggregated(_args(llama), _requests(3), str(out), 1, 1,
+                          decode_args=dataclasses.replace(_args(llama), dtype="bfloat16"))
 
 
 def test_assign_offers_least_loaded_and_fifo():

@@ -15,6 +15,8 @@ from deepinfer.loading import loader
 from deepinfer.loading.gguf_file import check_gguf_type, unpermute_rotary
 from deepinfer.loading.loader import (
     ModelNotFoundError,
+    cpu_flags_have_bf16,
+    cpu_has_native_bf16,
     load_model,
     resolve_dtype,
     resolve_model_path,
@@ -97,7 +99,19 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", torch.bfloat16, cpu, False) == torch.float32
+    # CPU without native bf16: always float32.
+    assert resolve_dtype("auto", torch.bfloat16, cpu, False, cpu_bf16=False) == torch.float32
+    assert resolve_dtype("auto", torch.float16, cpu, True, cpu_bf16=False) == torch.float32
+    # With it: bf16 for a GGUF or a bf16 checkpoint, float32 for an fp32/fp16 one.
+    assert resolve_dtype("auto", torch.bfloat16, cpu, False, cpu_bf16=True) == torch.bfloat16
+    assert resolve_dtype("auto", torch.float32, cpu, True, cpu_bf16=True) == torch.bfloat16
+    assert resolve_dtype("auto", torch.float32, cpu, False, cpu_bf16=True) == torch.float32
+    assert resolve_dtype("auto", torch.float16, cpu, False, cpu_bf16=True) == torch.float32
+    # Detected from this machine when not given; an explicit dtype always wins.
+    native = cpu_has_native_bf16()
+    assert resolve_dtype("auto", torch.bfloat16, cpu, True) == (
+        torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("float32", torch.bfloat16, cpu, True, cpu_bf16=True) == torch.float32
     assert resolve_dtype("auto", torch.bfloat16, cuda, False) == torch.bfloat16
     assert resolve_dtype("auto", torch.float16, cuda, True) == torch.bfloat16
     assert resolve_dtype("float16", torch.float32, cpu, False) == torch.float16
@@ -156,3 +170,13 @@ def test_fast_dequantize_equals_gguf_quants(qtype):
     got = dequantize(raw, q)
     assert got.shape == want.shape == (3, 5 * block)
     np.testing.assert_array_equal(got, want)
+
+
+def test_cpu_bf16_flags():
+    amd = "processor : 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    intel_amx = "flags : fpu avx512f amx_bf16 amx_tile\n"
+    old = "flags : fpu sse2 avx2 fma\n"
+    arm = "Features : fp asimd bf16\n"  # not x86: torch's bf16 speed there is not measured
+    assert cpu_flags_have_bf16(amd) and cpu_flags_have_bf16(intel_amx)
+    assert not cpu_flags_have_bf16(old) and not cpu_flags_have_bf16(arm)
+    assert not cpu_flags_have_bf16("")
