@@ -128,6 +128,9 @@ def run(args: argparse.Namespace) -> dict:
             sweep.append({"seconds": hf_s, "tokens": hf_tok, "tok_per_s": hf_tok / hf_s,
                           "batch_size": bs})
         result["transformers"] = max(sweep, key=lambda r: r["tok_per_s"])
+        result["transformers_dtype"] = ("torch.float32 (GGUF, packed)"
+                                        if llm.engine.model_path.endswith(".gguf")
+                                        else str(llm.engine.dtype))
         result["transformers_sweep"] = sweep
         result["speedup"] = result["deepinfer"]["tok_per_s"] / result["transformers"]["tok_per_s"]
     if getattr(args, "dp", 1) > 1:
@@ -441,12 +444,15 @@ def write_tp_results(result: dict, name: str) -> None:
 
 
 def load_hf_model(path: str, dtype: torch.dtype, device: torch.device):
-    """The same weights in transformers (GGUF files are dequantized by transformers)."""
+    """The same weights in transformers. A GGUF file loads in float32 whatever ``dtype``:
+    transformers (5.x) keeps its weights packed and computes in float32, so any other
+    dtype only adds a cast around every matmul (its own warning says so): float32 is its
+    fastest."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
@@ -469,8 +475,9 @@ def write_results(result: dict, name: str) -> None:
         "| engine | seconds | tokens | tok/s |", "|---|---|---|---|",
     ]
     rows = [("deepinfer", result["deepinfer"])]
-    rows += [(f"transformers, batch {r['batch_size']}", r)
-             for r in result.get("transformers_sweep", [])]
+    hf_dtype = result.get("transformers_dtype", "")
+    rows += [(f"transformers, batch {r['batch_size']}" + (f", {hf_dtype}" if hf_dtype else ""),
+              r) for r in result.get("transformers_sweep", [])]
     for label, r in rows:
         lines.append(f"| {label} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_per_s']:.1f} |")
     if "speedup" in result:

@@ -11,7 +11,8 @@
  * D must be a multiple of 8 (one 8-float vector: AVX2, or two NEON registers).
  *
  * Work item = one sequence, all its heads: each K/V token row is loaded once and serves
- * every query head of its KV head group. Per block: the group's scores, one
+ * every query head of its KV head group (a batch smaller than the thread count is also
+ * split by KV head). Per block: the group's scores, one
  * online-softmax rescale per query head, then the weighted V rows. fp32 math throughout.
  * GCC/Clang vector extensions keep it portable while making the SIMD explicit: the
  * compiler will not vectorise a float dot product by itself (that would reorder sums).
@@ -110,15 +111,16 @@ static inline v8f load_vec(const void *cache, int64_t offset, int is_bf16) {
                    : load_f32((const float *)cache + offset);
 }
 
-/* One sequence, all heads: `q` holds its query rows (KV head h's `group` heads at rows
- * h * group ...), `out` gets theirs. `blocks` are the sequence's first
- * ceil(len / block_size) block ids, all valid. `chunks` (head dim / 8) is a literal at each
- * call site (attend_seq_dispatch), so the short D-loops unroll. */
+/* One sequence, KV heads h0 .. h0 + nh - 1 of its num_kv_heads (all of them unless a
+ * small batch is split over threads by head): `q` holds those heads' query rows (KV head
+ * h's `group` heads at rows (h - h0) * group ...), `out` gets theirs. `blocks` are the
+ * sequence's first ceil(len / block_size) block ids, all valid. `chunks` (head dim / 8) is
+ * a literal at each call site (attend_seq_dispatch), so the short D-loops unroll. */
 static inline __attribute__((always_inline)) void attend_seq(
     const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
     const int64_t *blocks, int64_t len, int64_t block_size, int64_t num_kv_heads,
-    int64_t group, const int64_t chunks, float *restrict out) {
-    const int64_t heads = num_kv_heads * group, row = num_kv_heads * chunks * 8;
+    int64_t h0, int64_t nh, int64_t group, const int64_t chunks, float *restrict out) {
+    const int64_t heads = nh * group, row = num_kv_heads * chunks * 8;
     v8f qv[heads * chunks], acc[heads * chunks];
     /* Scores per head, padded with -inf to whole vectors (e^-inf = 0 in exp_v8). */
     float s[heads * MAX_BLOCK] __attribute__((aligned(32))), m[heads], l[heads];
@@ -132,9 +134,10 @@ static inline __attribute__((always_inline)) void attend_seq(
         int64_t n = len - j * block_size;
         if (n > block_size) n = block_size;
         const int64_t base = blocks[j] * block_size * row, nv = (n + 7) / 8;
-        if (j + 1 < nblocks) {
+        if (j + 1 < nblocks && nh == num_kv_heads) {
             /* Blocks are scattered, so the hardware prefetcher restarts at each one: ask
-             * for the next block's K and V lines while this one is computed. */
+             * for the next block's K and V lines while this one is computed (whole rows:
+             * not when the block's heads are split between threads). */
             const int64_t esize = is_bf16 ? 2 : 4, bytes = block_size * row * esize;
             const char *kn = (const char *)k_cache + blocks[j + 1] * bytes;
             const char *vn = (const char *)v_cache + blocks[j + 1] * bytes;
@@ -146,8 +149,8 @@ static inline __attribute__((always_inline)) void attend_seq(
         /* Scores, eight tokens at a time per head: eight dot-product vectors, one
          * reduction tree. K rows are read from the cache itself (L1 after the group's
          * first head). */
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const int64_t koff = base + h * chunks * 8;
+        for (int64_t h = 0; h < nh; ++h) {
+            const int64_t koff = base + (h0 + h) * chunks * 8;
             for (int64_t g = 0; g < group; ++g) {
                 const int64_t i = h * group + g;
                 const v8f *qi = qv + i * chunks;
@@ -190,8 +193,8 @@ static inline __attribute__((always_inline)) void attend_seq(
             for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c] *= corr;
         }
         for (int64_t t = 0; t < n; ++t) {
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                const int64_t off = base + t * row + h * chunks * 8;
+            for (int64_t h = 0; h < nh; ++h) {
+                const int64_t off = base + t * row + (h0 + h) * chunks * 8;
                 v8f v[chunks];
                 for (int64_t c = 0; c < chunks; ++c) v[c] = load_vec(v_cache, off + 8 * c, is_bf16);
                 for (int64_t g = 0; g < group; ++g) {
@@ -214,10 +217,10 @@ static inline __attribute__((always_inline)) void attend_seq(
 /* attend_seq with the head dim's vector count as a constant for the common sizes. */
 static void attend_seq_dispatch(const float *q, const void *k_cache, const void *v_cache,
                                 int is_bf16, const int64_t *blocks, int64_t len,
-                                int64_t block_size, int64_t num_kv_heads, int64_t group,
-                                int64_t chunks, float *out) {
+                                int64_t block_size, int64_t num_kv_heads, int64_t h0,
+                                int64_t nh, int64_t group, int64_t chunks, float *out) {
 #define ATTEND(C) attend_seq(q, k_cache, v_cache, is_bf16, blocks, len, block_size, \
-                             num_kv_heads, group, C, out)
+                             num_kv_heads, h0, nh, group, C, out)
     switch (chunks) {
         case 1: ATTEND(1); break;
         case 2: ATTEND(2); break;
@@ -244,14 +247,25 @@ int64_t paged_decode_attention_cpu(
     int64_t group = num_heads / num_kv_heads, chunks = dim / 8;
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size <= 0 || block_size > MAX_BLOCK)
         return BAD_SHAPE;
+    /* Work items: sequences, each cut into `splits` KV-head ranges when there are fewer
+     * sequences than threads (a small batch still uses every thread). */
+    int64_t splits = 1;
+    if (batch < num_threads) {
+        splits = (num_threads + batch - 1) / batch;
+        if (splits > num_kv_heads) splits = num_kv_heads;
+    }
+    const int64_t items = batch * splits;
     int64_t bad = 0; /* some failing sequence; which one wins a race does not matter */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t b = 0; b < batch; ++b) {
-        int64_t len = seq_lens[b];
-        const float *qb = q + b * num_heads * dim;
-        float *ob = out + b * num_heads * dim;
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t b = item / splits, part = item % splits;
+        const int64_t h0 = part * num_kv_heads / splits;
+        const int64_t nh = (part + 1) * num_kv_heads / splits - h0;
+        const int64_t len = seq_lens[b];
+        const float *qb = q + (b * num_heads + h0 * group) * dim;
+        float *ob = out + (b * num_heads + h0 * group) * dim;
         if (len <= 0) { /* attention over nothing: zeros */
-            memset(ob, 0, sizeof(float) * num_heads * dim);
+            memset(ob, 0, sizeof(float) * nh * group * dim);
             continue;
         }
         int64_t nblocks = (len + block_size - 1) / block_size;
@@ -274,7 +288,7 @@ int64_t paged_decode_attention_cpu(
             continue;
         }
         attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
-                            num_kv_heads, group, chunks, ob);
+                            num_kv_heads, h0, nh, group, chunks, ob);
     }
     return bad;
 }

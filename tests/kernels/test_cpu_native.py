@@ -97,6 +97,28 @@ def test_ragged_batch_over_threads_and_int64_tables(threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("lens, hkv", [([300], 3), ([37, 0], 8), ([65, 9, 1], 2)],
+                         ids=["one-seq-3-heads", "two-seqs-8-heads", "three-seqs-2-heads"])
+def test_small_batch_split_by_kv_head_over_threads(lens, hkv):
+    """Fewer sequences than threads: each sequence's KV heads are shared out (uneven
+    ranges, a zero-length sequence among them)."""
+    g = generator(seed_for("cpu-native-split", lens, hkv))
+    kv = _paged_kv(lens, 16, hkv, 16, F32, g)
+    q = randn((len(lens), 2 * hkv, 16), F32, g).cpu()
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got, want = _native_vs_reference(q, kv)
+    finally:
+        torch.set_num_threads(before)
+    live = [b for b, n in enumerate(lens) if n]
+    assert_close(got[live], want[live], F32)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(got[b], torch.zeros_like(got[b]))
+
+
+@needs_cc
 def test_large_score_range_and_custom_scale():
     """Scores spread over hundreds: the per-block online-softmax rescale and exp's
     underflow to 0 for keys far below the maximum."""
