@@ -32,11 +32,12 @@ def _params() -> list[SamplingParams]:
     ]
 
 
-def _llm(path: str, async_scheduling: bool, **kw) -> LLM:
+def _llm(path: str, async_scheduling: bool, dtype: str = "float32", **kw) -> LLM:
     # 24 KV blocks of 8 tokens for up to 8 sequences of ~50 tokens: preemption;
     # 32 tokens a prompt step: the long prompts are chunked.
-    return LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32,
-               max_num_seqs=8, block_size=8, kv_cache_memory=24 * 4096,
+    block_bytes = 4096 if dtype == "float32" else 2048
+    return LLM(path, dtype=dtype, device="cpu", max_num_batched_tokens=32,
+               max_num_seqs=8, block_size=8, kv_cache_memory=24 * block_bytes,
                async_scheduling=async_scheduling, **kw)
 
 
@@ -44,10 +45,13 @@ def _key(outs) -> list:
     return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-def test_overlap_equals_plain_loop_tiny_model(tiny_checkpoints):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlap_equals_plain_loop_tiny_model(tiny_checkpoints, dtype):
+    """Also in bf16: the CPU default where the CPU has native bf16 (the C decode kernel
+    reads a bf16 cache)."""
     path = tiny_checkpoints["llama_tied"].path
-    plain = _llm(path, False)
-    over = _llm(path, True)
+    plain = _llm(path, False, dtype)
+    over = _llm(path, True, dtype)
     assert over.engine.async_scheduling and not plain.engine.async_scheduling
     want = plain.generate(PROMPTS, _params(), use_tqdm=False)
     got = over.generate(PROMPTS, _params(), use_tqdm=False)
