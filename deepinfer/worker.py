@@ -35,13 +35,16 @@ def resolve_backend(name: str, device: torch.device) -> ModuleType:
     """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets.
 
     ``torch`` runs ``kernels.cpu_backend`` on the CPU (the reference's signatures, made fast
-    there: block gathers into a reused workspace) and the plain reference on a GPU."""
+    there: decode attention in C) and the plain reference on a GPU."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         if device.type == "cpu":
-            from kernels import cpu_backend
+            from kernels import cpu_backend, cpu_native
 
+            # Built (or found in the cache) now: a first build takes ~1-2 s, better at
+            # start-up than as a stall inside the first decode step.
+            cpu_native.native_library()
             return cpu_backend
         from kernels import reference
 

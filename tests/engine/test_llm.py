@@ -119,3 +119,15 @@ def test_unknown_model_path_is_named(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
         LLM(missing, device="cpu")
+
+
+def test_cpu_backend_builds_its_c_kernel_at_start_up():
+    """Choosing the CPU backend builds (or loads from the cache) the C decode kernel then,
+    not inside the first decode step."""
+    from deepinfer.worker import resolve_backend
+    from kernels import cpu_native
+
+    cpu_native.native_library.cache_clear()
+    backend = resolve_backend("auto", torch.device("cpu"))
+    assert backend.__name__ == "kernels.cpu_backend"
+    assert cpu_native.native_library.cache_info().currsize == 1
