@@ -40,14 +40,14 @@ def _backend_tokenizer(tokenizer: Any) -> Any | None:
     return backend if isinstance(backend, Tokenizer) else None
 
 
-def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def _decoder(tokenizer: Any, skip_special_tokens: bool,
+             backend: Any | None) -> Callable[[list[int]], str]:
     """``decode(ids) -> str``, the text of ``tokenizer.decode(ids, skip_special_tokens=...,
-    clean_up_tokenization_spaces=False)``.
+    clean_up_tokenization_spaces=False)``; ``backend``: ``_backend_tokenizer(tokenizer)``.
 
     transformers' ``decode`` runs ``to_py_obj`` over the ids first (a Python-level pass,
     most of the cost of a 600-token decode); with a stock fast tokenizer and no clean-up
     it then only calls the Rust tokenizer's ``decode``, so call that directly."""
-    backend = _backend_tokenizer(tokenizer)
     if backend is not None:
         def decode(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens) if ids else ""
@@ -78,7 +78,8 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or ()) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
         # Built once: this runs twice per token.
-        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self._decode = _decoder(tokenizer, skip_special_tokens,
+                                _backend_tokenizer(tokenizer))
         context = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]]
         # Window over `_ids` (the prompt's tail, then the output): [prefix, read) is
         # already in `text`, [read, end) is pending.
@@ -162,13 +163,13 @@ def decode_once(tokenizer: Any, prompt_token_ids: Sequence[int], token_ids: Sequ
     ids = [int(t) for t in token_ids]
     if not ids:
         return ""
-    decode = _decoder(tokenizer, skip_special_tokens)
+    backend = _backend_tokenizer(tokenizer)
+    decode = _decoder(tokenizer, skip_special_tokens, backend)
     prefix = decode(context)
     full = decode(context + ids)
     if not full.endswith(_REPLACEMENT):
         return full[len(prefix):]
 
-    backend = _backend_tokenizer(tokenizer)
     if backend is None:
         while len(ids) > 1:
             ids.pop()

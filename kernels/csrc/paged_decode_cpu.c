@@ -12,8 +12,8 @@
  *
  * Work item = one sequence, all its heads: each K/V token row is loaded once and serves
  * every query head of its KV head group (a batch smaller than the thread count is also
- * split by KV head). Per block: the group's scores, one
- * online-softmax rescale per query head, then the weighted V rows. fp32 math throughout.
+ * split by KV head). Per block: the scores, one online-softmax rescale per query head,
+ * then the weighted V rows. fp32 math throughout.
  * GCC/Clang vector extensions keep it portable while making the SIMD explicit: the
  * compiler will not vectorise a float dot product by itself (that would reorder sums).
  */

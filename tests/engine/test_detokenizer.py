@@ -384,7 +384,7 @@ def test_fast_decoder_matches_tokenizer_decode(name, request, monkeypatch):
 
     monkeypatch.setattr(tok, "decode", no_wrapper)
     for skip in (True, False):
-        decode = _decoder(tok, skip)
+        decode = _decoder(tok, skip, _backend_tokenizer(tok))
         assert [decode(ids) for ids in cases] == expected[skip]
         # The incremental detokenizer decodes through it too.
         det = IncrementalDetokenizer(tok, cases[1], skip_special_tokens=skip)
@@ -405,10 +405,11 @@ def test_decoder_respects_overridden_decode(bpe_tok):
                    bos_token="<s>", eos_token="</s>")
     ids = bpe_tok.encode("Hello world, the end")
     assert _backend_tokenizer(tok) is None
-    assert _decoder(tok, True)(ids) == "HELLO WORLD, THE END"
+    assert _decoder(tok, True, _backend_tokenizer(tok))(ids) == "HELLO WORLD, THE END"
     assert decode_once(tok, [], ids) == "HELLO WORLD, THE END"
     det = IncrementalDetokenizer(tok, [])
     feed(det, ids)
     assert det.text == "HELLO WORLD, THE END"
     wrapped = DecodeOnly(bpe_tok)
-    assert _decoder(wrapped, True)(ids) == "Hello world, the end" and wrapped.calls == 1
+    decode = _decoder(wrapped, True, _backend_tokenizer(wrapped))
+    assert decode(ids) == "Hello world, the end" and wrapped.calls == 1

@@ -33,10 +33,17 @@ def _paged_kv(lens, bs, hkv, d, dtype, g, extra_cols=2):
     return kv
 
 
-def _native_vs_reference(q, kv, out=None, **kwargs):
+def _native_vs_reference(q, kv, out=None, threads: int | None = None, **kwargs):
+    """The kernel's output (on ``threads`` torch threads when given) and the reference's."""
     out = torch.full_like(q, float("nan")) if out is None else out.fill_(float("nan"))
-    got = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
-                                            kv.seq_lens, out=out, **kwargs)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        got = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                kv.seq_lens, out=out, **kwargs)
+    finally:
+        torch.set_num_threads(before)
     assert got is out
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                             kv.seq_lens, **kwargs)
@@ -85,12 +92,7 @@ def test_ragged_batch_over_threads_and_int64_tables(threads):
     kv.block_tables = wide[:, : kv.block_tables.shape[1]]
     assert not kv.block_tables.is_contiguous()
     q = randn((len(lens), 6, 32), F32, g).cpu()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = _native_vs_reference(q, kv)
-    finally:
-        torch.set_num_threads(before)
+    got, want = _native_vs_reference(q, kv, threads=threads)
     live = [b for b, n in enumerate(lens) if n]
     assert_close(got[live], want[live], F32)
     assert torch.equal(got[[5, 20]], torch.zeros_like(got[[5, 20]]))
@@ -105,12 +107,7 @@ def test_small_batch_split_by_kv_head_over_threads(lens, hkv):
     g = generator(seed_for("cpu-native-split", lens, hkv))
     kv = _paged_kv(lens, 16, hkv, 16, F32, g)
     q = randn((len(lens), 2 * hkv, 16), F32, g).cpu()
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        got, want = _native_vs_reference(q, kv)
-    finally:
-        torch.set_num_threads(before)
+    got, want = _native_vs_reference(q, kv, threads=4)
     live = [b for b, n in enumerate(lens) if n]
     assert_close(got[live], want[live], F32)
     for b, n in enumerate(lens):
