@@ -714,6 +714,9 @@ class _ReadyAt:
     def __init__(self, handle, ready_at: float) -> None:
         self.handle, self.ready_at = handle, ready_at
 
+    def finish_sampling(self) -> None:
+        self.handle.finish_sampling()
+
     def result(self):
         wait = self.ready_at - time.perf_counter()
         if wait > 0:

@@ -6,9 +6,10 @@ maxLength strings and a maxItems array); each request's output length is then gi
 the unconstrained run as ``max_tokens`` with ``ignore_eos``, so both runs generate the
 same number of tokens per request over the same steps: the difference is the per-step
 cost of structured output (bitmask filled on the host for every row, applied to the
-logits, tokens fed to the matchers) plus, where the engine overlaps steps (CUDA), the
-overlap it gives up while a constrained request is live. Where overlap is on, a third
-row runs the unconstrained batch with overlap off, to split the two. Grammar compilation
+logits, tokens fed to the matchers). Where the engine overlaps steps (CUDA), two more
+rows run both batches with overlap off: what the overlap is worth to each (a constrained
+step keeps it: its forward is enqueued before the step in flight lands, and the mask is
+filled while the forward runs). Grammar compilation
 is warmed up first and reported on its own (cached by key after that). Rounds are
 interleaved and the median is reported.
 
@@ -91,8 +92,9 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
                                   structured_outputs=so)] * batch
     engine = llm.engine
     overlap = engine.async_scheduling
-    modes = ["constrained", "unconstrained"] + (["unconstrained, no overlap"] if overlap
-                                                 else [])
+    modes = ["constrained", "unconstrained"]
+    if overlap:  # what the overlap is worth to each (constrained steps keep it)
+        modes += ["constrained, no overlap", "unconstrained, no overlap"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
     valid = 0
@@ -106,9 +108,10 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
         plain = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                  for m in lengths]
         for mode in modes[1:]:
-            engine.async_scheduling = overlap and mode == "unconstrained"
+            engine.async_scheduling = overlap and not mode.endswith("no overlap")
             try:
-                dt, n, _ = timed(llm, prompts, plain)
+                dt, n, _ = timed(llm, prompts,
+                                 constrained if mode.startswith("constrained") else plain)
             finally:
                 engine.async_scheduling = overlap
             times[mode].append(dt)
@@ -174,7 +177,7 @@ def main() -> int:
         head = (f"# Structured output cost ({meta['device_name']}, {device})\n\n"
                 f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
                 f"`python benchmarks/bench_structured.py --save`\n\n"
-                f"SmolLM2-135M-Instruct unless --model; greedy; JSON schema of "
+                f"model {os.path.basename(meta['model'].rstrip('/'))}; greedy; JSON schema of "
                 f"benchmarks/bench_structured.py; the unconstrained rows generate the "
                 f"constrained run's lengths (ignore_eos).\n\n")
         (RESULTS / f"structured-{name}.md").write_text(head + "\n".join(lines) + note + "\n")
@@ -199,6 +202,13 @@ def test_bench_structured_smoke(tmp_path):
         assert math.isfinite(r["tok_s"]) and r["tok_s"] > 0
     assert res["valid_outputs"] == 3
     assert len(table_lines(res)) == 4
+    # With overlap (the CUDA default) the no-overlap rows join; the greedy constrained
+    # batch generates the same tokens both ways.
+    llm.engine.async_scheduling = True
+    res = measure(llm, batch=3, max_tokens=400, reps=1)
+    modes = res["modes"]
+    assert len({r["tokens"] for r in modes.values()}) == 1 and len(modes) == 4
+    assert llm.engine.async_scheduling and len(table_lines(res)) == 6
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ flight: step k+1 is scheduled and launched before step k's ids reach the host, s
 host's work hides behind the device's (docs/scheduling.md, "Overlapped scheduling").
 ``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
 (disaggregated prefill/decode). Constrained requests (``structured_outputs``) go through
-``deepinfer.structured.matchers``: held back until their grammar is compiled, masked
-each step, and run without overlap while any is live (docs/scheduling.md).
+``deepinfer.structured.matchers``: held back until their grammar is compiled and masked
+each step; with overlap, a constrained step's sampling waits until the step before it has
+landed, while the device runs its forward (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
-from deepinfer.model_runner import SampledTokens, StepSampling
+from deepinfer.model_runner import StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import RequestState, SampleState, SequenceExport
+from deepinfer.sampled_tokens import SampledTokens
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
@@ -235,16 +237,20 @@ class LLMEngine:
                 more = keep_going()
                 if not more and inflight is None:
                     return
-                if overlap and not self.structured.live:
+                if not overlap:  # the plain loop (here ``more`` holds)
+                    done += self.step()
+                else:
                     launched = self._launch() if more else None
-                    if inflight is not None:
-                        done = self._complete(*inflight)
+                    # A step being completed is out of flight: if completing it fails,
+                    # the ``finally`` below must not complete it again.
+                    prev, inflight = inflight, None
+                    if prev is not None:
+                        done = self._complete(*prev)
+                    if launched is not None:
+                        # A constrained step samples only now: its masks need the
+                        # matchers fed the tokens of the step just completed.
+                        launched[1].finish_sampling()
                     inflight = launched
-                else:  # plain loop (or constrained work: land the step in flight first)
-                    if inflight is not None:
-                        done, inflight = self._complete(*inflight), None
-                    if more:  # one schedule per keep_going(), as above: DP ranks agree
-                        done += self.step()
                 while done:
                     yield done.pop(0)
                 if on_step is not None:

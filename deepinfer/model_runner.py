@@ -24,6 +24,7 @@ from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
+from deepinfer.sampled_tokens import SampledTokens
 from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingTable
@@ -42,29 +43,6 @@ class StepSampling:
     prompt_slots: torch.Tensor | None = None
     output_tokens: torch.Tensor | None = None
     output_slots: torch.Tensor | None = None
-
-
-class SampledTokens:
-    """A launched step's sampled ids on their way to the host. ``result()`` waits for
-    them: on CUDA they are copied into pinned memory on a side stream behind an event,
-    so the host can schedule and launch the next step first (overlapped scheduling)."""
-
-    def __init__(self, ids: torch.Tensor | None, logprobs: list | None,
-                 host: torch.Tensor | None = None, event: torch.cuda.Event | None = None
-                 ) -> None:
-        self._ids = ids
-        self._host = host
-        self._event = event
-        self.logprobs = logprobs
-
-    def result(self) -> tuple[list[int], list | None]:
-        """The sampled ids (one per sample, sample order) and logprobs (or None)."""
-        if self._ids is None:
-            return [], self.logprobs
-        if self._event is not None:
-            self._event.synchronize()
-            return self._host.tolist(), self.logprobs
-        return self._ids.tolist(), self.logprobs
 
 
 class ModelRunner:
@@ -297,9 +275,10 @@ class ModelRunner:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
         without waiting for the device (logprobs, when asked for, are read at once).
 
-        ``logits_mask`` (structured output): called once the logits are enqueued, before
-        sampling; the ``TokenMask`` it returns is applied to those rows' logits on the
-        device (the host fills it while the device runs the forward).
+        ``logits_mask`` (structured output): the sampling is deferred (the handle's
+        ``finish_sampling()`` or ``result()`` enqueues it); it calls ``logits_mask()``
+        then and applies the ``TokenMask`` it returns to those rows' logits on the
+        device, so the host fills the mask while the device runs the forward.
 
         ``out`` is the scheduler's ``SchedulerOutputs`` of this step (borrowed: consumed
         before the next ``schedule()``). Its decode inputs may hold placeholders (-1)
@@ -344,11 +323,23 @@ class ModelRunner:
         else:
             rows = hidden[self._to_device(b.logits_indices)]
         logits = self.model.compute_logits(rows)
-        if logits_mask is not None:
-            logits = apply_token_mask(logits, logits_mask())
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
         st = self._sampling_tensors(b)
+        if logits_mask is None:
+            return self._sample(logits, st, slots, None)
+        # The mask is filled once the matchers have seen every earlier token: with a step
+        # in flight that is after the engine lands it (``finish_sampling``), while the
+        # device runs this step's forward.
+        return SampledTokens.deferred(lambda: self._sample(logits, st, slots, logits_mask))
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors, slots: torch.Tensor,
+                logits_mask: Callable[[], TokenMask | None] | None) -> SampledTokens:
+        """Enqueue the sampling of a step's logits (``[num_samples, V]``) into
+        ``slots`` (int64 ``[num_samples]`` on the device) and the ids' copy to the host."""
+        if logits_mask is not None:
+            logits = apply_token_mask(logits, logits_mask())
         token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states)
         if st.do_repetition or st.do_presence_frequency:
             # Counts only matter to rows with a penalty (a row's params never change, so

@@ -20,6 +20,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                        tie_word_embeddings=True, rope_theta=1000000.0),
+    "smollm2-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                         tie_word_embeddings=True, rope_theta=100000.0),
     "llama-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192,
                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=64, vocab_size=128256, max_position_embeddings=131072,
@@ -59,20 +63,39 @@ def build_bpe_tokenizer(vocab_size: int = 290):
 
 
 def make_random_checkpoint(out_dir: str, preset: str, *, seed: int = 0,
-                           dtype: torch.dtype = torch.bfloat16) -> str:
-    """Write a random-weight checkpoint of ``preset``'s shapes to ``out_dir``; returns it."""
+                           dtype: torch.dtype = torch.bfloat16,
+                           tokenizer: str | None = None,
+                           num_layers: int | None = None) -> str:
+    """Write a random-weight checkpoint of ``preset``'s shapes to ``out_dir``; returns it.
+
+    ``tokenizer``: a folder or ``.gguf`` file whose tokenizer the checkpoint gets (its
+    BOS/EOS ids go into the config): a real vocabulary where the tokenizer's cost matters
+    (structured output's token masks). Default: a small BPE trained here (290 ids).
+    ``num_layers``: fewer decoder layers than the preset (quick runs, tests)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from deepinfer.tokenizer import load_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: expected one of {sorted(PRESETS)}")
     spec = dict(PRESETS[preset])
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers={num_layers}: expected at least 1")
+        spec["num_hidden_layers"] = num_layers
+    tok = build_bpe_tokenizer() if tokenizer is None else load_tokenizer(tokenizer)
+    if len(tok) > spec["vocab_size"]:
+        raise ValueError(f"tokenizer={tokenizer!r}: {len(tok)} tokens do not fit preset "
+                         f"{preset!r}'s vocabulary of {spec['vocab_size']}")
+    bos = 1 if tok.bos_token_id is None else tok.bos_token_id
+    eos = 2 if tok.eos_token_id is None else tok.eos_token_id
     arch = spec.pop("arch")
     cfg_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
-    cfg = cfg_cls(**spec, bos_token_id=1, eos_token_id=2)
+    cfg = cfg_cls(**spec, bos_token_id=bos, eos_token_id=eos)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
-    build_bpe_tokenizer().save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
     return out_dir
 
 
@@ -81,8 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None,
+                   help="folder or .gguf file to take the tokenizer from (default: a small "
+                        "BPE trained here)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the preset's)")
     args = p.parse_args(argv)
-    print(make_random_checkpoint(args.out, args.preset, seed=args.seed))
+    print(make_random_checkpoint(args.out, args.preset, seed=args.seed,
+                                 tokenizer=args.tokenizer, num_layers=args.layers))
 
 
 if __name__ == "__main__":

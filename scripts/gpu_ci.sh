@@ -3,8 +3,15 @@
 #
 #   OUT=/some/dir scripts/gpu_ci.sh        # or: scripts/gpu_ci.sh /some/dir
 #
-# Steps (each capped so the whole run fits the budget; a step that runs out of time is a
-# failure, never a silent skip):
+# On the device tool's machine (nothing can be downloaded there; prepare here first with
+# scripts/gpu_prepare.sh, which writes .whl/ and .gpu_assets/):
+#   run(command="GPU_CI_WORK=/tmp/gpu-ci scripts/gpu_ci.sh", carry=[".whl", ".gpu_assets"])
+#
+# Steps (each capped, and every cap cut to what is left of GPU_CI_BUDGET seconds, 560 by
+# default, so the summary is always written; a step that runs out of time is a failure,
+# never a silent skip):
+#   0. wheels carried in .whl/ (xgrammar, gguf, jsonschema, ... that the GPU image lacks)
+#      installed into a scratch folder on PYTHONPATH
 #   1. environment: GPU, torch, triton, pytest; stops at once with a clear message
 #   2. compile grid (background, CPU only): every kernel configuration AOT-compiled for
 #      sm_80 and sm_90: compile errors, shared memory, register spills
@@ -15,15 +22,23 @@
 #   6. end-to-end throughput, nano-vllm's workload (256 requests, 100-1024 tokens in and
 #      out) on a random-weight model of Qwen3-0.6B's shapes, with overlapped scheduling
 #      on (the CUDA default) and off
-# Then it prints one table. Everything goes under $OUT: logs/ (step logs, junit xml,
-# compile table) and results/ (markdown + json that can be committed to
-# benchmarks/results/ as they are: cp "$OUT"/results/* benchmarks/results/).
+#   7. structured output cost (benchmarks/bench_structured.py): a JSON-schema batch of 64
+#      against the same batch unconstrained, overlap on and off, on a random-weight model
+#      of SmolLM2-135M's shapes with SmolLM2's real tokenizer (.gpu_assets/; without it a
+#      small BPE, whose masks are cheaper than a real vocabulary's)
+# Then it prints one table. Everything goes under $WORK (GPU_CI_WORK, default $OUT):
+# logs/ (step logs, junit xml, compile table) and results/ (markdown + json that can be
+# committed to benchmarks/results/ as they are). When GPU_CI_WORK is set apart from $OUT,
+# $OUT gets only summary.md and gpu-ci.tar.gz (logs/ + results/, rewritten after every
+# step, so a run cut short still brings back what it did): the device tool brings back 8
+# files at most.
 #
 # Expected time on an H200 box (16 cores), estimated from CPU measurements (not yet timed
-# on the GPU); the caps in brackets bound the whole run to under 10 minutes:
-#   env ~5 s | compile grid ~70-100 s, in the background [300 s] | kernel tests ~60-100 s
-#   [120 s] | engine tests ~30-60 s [80 s] | kernel benchmarks ~60-100 s + MoE ~30-50 s
-#   [160 s] | e2e, two runs ~100-180 s [200 s]  =>  about 5-8 minutes.
+# on the GPU); the caps in brackets:
+#   wheels ~5 s | env ~5 s | compile grid ~70-100 s, in the background [300 s] | kernel
+#   tests ~60-100 s [120 s] | engine tests ~30-60 s [80 s] | kernel benchmarks ~60-100 s
+#   + MoE ~30-50 s [150 s] | e2e, two runs ~100-180 s [180 s] | structured ~30-50 s
+#   [80 s]  =>  about 5-8 minutes.
 #
 # Does not assume the repo's venv: the GPU machine has torch + triton system-wide
 # ($PYTHON, else python / python3 from PATH). Exit status: 0 when every step passed.
@@ -39,13 +54,39 @@ if [ -z "$OUT" ]; then
          "(or pass it as the first argument)" >&2
     exit 2
 fi
-mkdir -p "$OUT/logs" "$OUT/results" || { echo "gpu_ci.sh: cannot create $OUT" >&2; exit 2; }
+WORK="${GPU_CI_WORK:-$OUT}"
+mkdir -p "$OUT" "$WORK/logs" "$WORK/results" \
+    || { echo "gpu_ci.sh: cannot create $OUT or $WORK" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
-export OUT
+WORK=$(cd "$WORK" && pwd)
+export OUT WORK
+BUDGET=${GPU_CI_BUDGET:-560}
+T0=$SECONDS
+
+# pack: when $WORK is not $OUT, bring logs/ + results/ into $OUT as one file (the device
+# tool brings back 8 files at most), with the summary beside it once there is one.
+pack() {
+    [ "$WORK" = "$OUT" ] && return 0
+    tar -czf "$OUT/gpu-ci.tar.gz.part" -C "$WORK" logs results 2>/dev/null \
+        && mv -f "$OUT/gpu-ci.tar.gz.part" "$OUT/gpu-ci.tar.gz"
+    [ -f "$WORK/summary.md" ] && cp -f "$WORK/summary.md" "$OUT/summary.md"
+    return 0
+}
+
+# --- 0. wheels carried from the developer's machine -------------------------------------
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+    SITE="${TMPDIR:-/tmp}/deepinfer-gpu-site"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$SITE" "$REPO"/.whl/*.whl > "$WORK/logs/wheels.log" 2>&1; then
+        cat "$WORK/logs/wheels.log" >&2
+        echo "gpu_ci.sh: the wheels in .whl/ do not install (see above)" >&2
+        exit 1
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 # --- 1. environment: fail fast -------------------------------------------------------
-T0=$SECONDS
-if ! "$PY" - > "$OUT/logs/env.json" 2> "$OUT/logs/env.err" <<'PYEOF'
+if ! "$PY" - > "$WORK/logs/env.json" 2> "$WORK/logs/env.err" <<'PYEOF'
 import json, sys
 try:
     import torch
@@ -75,21 +116,28 @@ try:
     fa = flash_attn.__version__
 except Exception:
     fa = None
+try:
+    import xgrammar
+    xg = xgrammar.__version__
+except Exception:
+    xg = None  # the structured-output step fails then; the others run
 free, total = torch.cuda.mem_get_info()
 print(json.dumps({
     "gpu": torch.cuda.get_device_name(), "capability": f"sm_{major}{minor}",
     "gpu_mem_gib": round(total / 2**30, 1), "gpu_free_gib": round(free / 2**30, 1),
     "python": sys.version.split()[0], "torch": torch.__version__,
     "cuda": torch.version.cuda, "triton": triton.__version__, "flash_attn": fa,
+    "xgrammar": xg,
 }))
 PYEOF
 then
-    cat "$OUT/logs/env.err" >&2
+    cat "$WORK/logs/env.err" >&2
+    pack
     exit 1
 fi
 "$PY" -c "import json,sys; e=json.load(open(sys.argv[1])); print(' | '.join(f'{k} {v}' for k, v in e.items()))" \
-    "$OUT/logs/env.json"
-printf 'env\tok\t%d\t0\n' $((SECONDS - T0)) > "$OUT/logs/steps.tsv"
+    "$WORK/logs/env.json"
+printf 'env\tok\t%d\t0\n' $((SECONDS - T0)) > "$WORK/logs/steps.tsv"
 
 # The repo's pytest config passes --benchmark-disable; without the plugin that flag would
 # be an error, so fall back to plain options.
@@ -104,20 +152,31 @@ NCPU=$(nproc 2>/dev/null || echo 8)
 
 # step NAME CAP_SECONDS CMD...: run with a time cap (SIGINT first, so pytest still writes
 # its report), log to logs/NAME.log, append "name status seconds rc" to logs/steps.tsv.
+# The cap is cut to what is left of the budget (30 s kept for the summary); a step with
+# less than 10 s left does not start and counts as a timeout.
 step() {
     local name=$1 cap=$2
     shift 2
-    echo "== $name (cap ${cap}s) =="
+    local left=$((BUDGET - (SECONDS - T0) - 30))
+    [ "$left" -lt "$cap" ] && cap=$left
     local t=$SECONDS rc status
-    timeout -s INT -k 10 "$cap" "$@" > "$OUT/logs/$name.log" 2>&1
-    rc=$?
-    case $rc in
-        0) status=ok ;;
-        124|137) status="timeout (${cap}s)" ;;
-        *) status="FAIL (rc $rc)" ;;
-    esac
-    tail -n 3 "$OUT/logs/$name.log"
-    printf '%s\t%s\t%d\t%d\n' "$name" "$status" $((SECONDS - t)) "$rc" >> "$OUT/logs/steps.tsv"
+    if [ "$cap" -lt 10 ]; then
+        echo "== $name: not started, the budget of ${BUDGET}s is spent =="
+        rc=124
+        status="not run (budget ${BUDGET}s spent)"
+    else
+        echo "== $name (cap ${cap}s) =="
+        timeout -s INT -k 10 "$cap" "$@" > "$WORK/logs/$name.log" 2>&1
+        rc=$?
+        case $rc in
+            0) status=ok ;;
+            124|137) status="timeout (${cap}s)" ;;
+            *) status="FAIL (rc $rc)" ;;
+        esac
+        tail -n 3 "$WORK/logs/$name.log"
+    fi
+    printf '%s\t%s\t%d\t%d\n' "$name" "$status" $((SECONDS - t)) "$rc" >> "$WORK/logs/steps.tsv"
+    pack
     return 0
 }
 
@@ -127,22 +186,40 @@ echo "== compile-grid (background, $COMPILE_JOBS jobs) =="
 (
     t=$SECONDS
     DEEPINFER_COMPILE_FULL=1 DEEPINFER_COMPILE_JOBS=$COMPILE_JOBS \
-    DEEPINFER_COMPILE_OUT="$OUT/logs/compile" \
+    DEEPINFER_COMPILE_OUT="$WORK/logs/compile" \
         timeout -s INT -k 10 300 "$PY" -m pytest "${BASE_OPTS[@]}" tests/kernels/test_compile.py \
-        -q --junitxml="$OUT/logs/compile-grid.xml" > "$OUT/logs/compile-grid.log" 2>&1
-    echo "$? $((SECONDS - t))" > "$OUT/logs/compile-grid.rc"
+        -q --junitxml="$WORK/logs/compile-grid.xml" > "$WORK/logs/compile-grid.log" 2>&1
+    echo "$? $((SECONDS - t))" > "$WORK/logs/compile-grid.rc"
 ) &
 COMPILE_PID=$!
 
 # --- 3-6 --------------------------------------------------------------------------------
 step kernel-tests 120 "$PY" -m pytest "${BASE_OPTS[@]}" tests/kernels -q --durations=10 \
-    --ignore=tests/kernels/test_compile.py --junitxml="$OUT/logs/kernel-tests.xml"
+    --ignore=tests/kernels/test_compile.py --junitxml="$WORK/logs/kernel-tests.xml"
 
 step engine-tests 80 "$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_engine.py \
-    tests/engine/test_llm.py -q -k "cuda or tiny" --junitxml="$OUT/logs/engine-tests.xml"
+    tests/engine/test_llm.py -q -k "cuda or tiny" --junitxml="$WORK/logs/engine-tests.xml"
 
-step kernel-bench 160 env DEEPINFER_BENCH_OUT="$OUT/results" "$PY" -m pytest \
+step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" "$PY" -m pytest \
     "${BASE_OPTS[@]}" benchmarks/bench_kernels.py benchmarks/bench_moe.py -q -s
+
+# Structured output's cost at batch 64: SmolLM2-135M's shapes, random weights (no model
+# can be downloaded there and the GGUF is too big to carry), SmolLM2's real tokenizer when
+# scripts/gpu_prepare.sh put it in .gpu_assets/ (the masks' cost depends on the vocabulary).
+SMOL_DIR="${TMPDIR:-/tmp}/deepinfer-smollm2-135m-random"
+SMOL_TOKENIZER="$REPO/.gpu_assets/smollm2-tokenizer"
+structured() {
+    local tok=()
+    [ -f "$SMOL_TOKENIZER/tokenizer_config.json" ] && tok=(--tokenizer "$SMOL_TOKENIZER")
+    [ -f "$SMOL_DIR/config.json" ] || "$PY" -m deepinfer.random_model --preset smollm2-135m \
+        "${tok[@]}" --out "$SMOL_DIR" || return 1
+    "$PY" benchmarks/bench_structured.py --model "$SMOL_DIR" --batch 64 --reps 3 \
+        --save || return 1
+    cp benchmarks/results/structured-cuda.* "$WORK/results/"
+}
+export -f structured
+export PY SMOL_DIR SMOL_TOKENIZER WORK
+step structured 80 bash -c structured
 
 # nano-vllm's workload scale on a random-weight model of Qwen3-0.6B's shapes (weights
 # cannot be downloaded there; only the shapes matter for speed).
@@ -157,11 +234,11 @@ e2e() {
         --min-len 100 --max-len 1024 --no-hf --no-async-scheduling \
         --name throughput-cuda-sync || return 1
     cp benchmarks/results/throughput-cuda*.json benchmarks/results/throughput-cuda*.md \
-        "$OUT/results/"
+        "$WORK/results/"
 }
 export -f e2e
 export PY MODEL_DIR
-step e2e-throughput 200 bash -c e2e
+step e2e-throughput 180 bash -c e2e
 
 # Tensor parallelism needs a GPU per rank (NCCL refuses two ranks on one GPU): with one
 # GPU the TP layers run at size 1 inside the runs above; with two or more, --tp 1 vs 2.
@@ -169,7 +246,7 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     e2e_tp() {
         "$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --tp 2 \
             --num-requests 256 --min-len 100 --max-len 1024 --name throughput-tp-cuda \
-            && cp benchmarks/results/throughput-tp-cuda.* "$OUT/results/"
+            && cp benchmarks/results/throughput-tp-cuda.* "$WORK/results/"
     }
     export -f e2e_tp
     step e2e-tp 200 bash -c e2e_tp
@@ -177,23 +254,23 @@ fi
 
 # The compile grid had the whole run to finish; its own timeout bounds this wait.
 wait "$COMPILE_PID"
-read -r crc csecs < "$OUT/logs/compile-grid.rc" 2>/dev/null || { crc=1; csecs=0; }
+read -r crc csecs < "$WORK/logs/compile-grid.rc" 2>/dev/null || { crc=1; csecs=0; }
 case $crc in
     0) cstatus=ok ;;
     124|137) cstatus="timeout (300s)" ;;
     *) cstatus="FAIL (rc $crc)" ;;
 esac
-tail -n 3 "$OUT/logs/compile-grid.log"
-printf 'compile-grid\t%s\t%d\t%d\n' "$cstatus" "$csecs" "$crc" >> "$OUT/logs/steps.tsv"
-[ -f "$OUT/logs/compile/compile-check.md" ] && cp "$OUT/logs/compile/compile-check.md" \
-    "$OUT/results/compile-check.md"
+tail -n 3 "$WORK/logs/compile-grid.log"
+printf 'compile-grid\t%s\t%d\t%d\n' "$cstatus" "$csecs" "$crc" >> "$WORK/logs/steps.tsv"
+[ -f "$WORK/logs/compile/compile-check.md" ] && cp "$WORK/logs/compile/compile-check.md" \
+    "$WORK/results/compile-check.md"
 
 # --- summary: one table --------------------------------------------------------------------
-GPU_CI_SECONDS=$((SECONDS - T0)) "$PY" - <<'PYEOF'
+GPU_CI_SECONDS=$((SECONDS - T0)) BUDGET=$BUDGET "$PY" - <<'PYEOF'
 import glob, json, math, os, re, subprocess, datetime as dt
 import xml.etree.ElementTree as ET
 
-out = os.environ["OUT"]
+out = os.environ["WORK"]
 logs, results = os.path.join(out, "logs"), os.path.join(out, "results")
 env = json.load(open(os.path.join(logs, "env.json")))
 
@@ -273,6 +350,22 @@ def e2e_headline():
     return "; ".join(parts)
 
 
+def structured_headline():
+    path = os.path.join(results, "structured-cuda.json")
+    if not os.path.exists(path):
+        return ""
+    d = json.load(open(path))
+    modes = d["modes"]
+    base = modes["unconstrained"]["tok_s"]
+    cost = 1 - modes["constrained"]["tok_s"] / base
+    text = (f"batch {d['batch']}: constrained {modes['constrained']['tok_s']:.0f} vs "
+            f"unconstrained {base:.0f} tok/s ({cost:+.1%} cost; target <= 10%)")
+    off = modes.get("constrained, no overlap")
+    if off:
+        text += f"; constrained without overlap {off['tok_s']:.0f} tok/s"
+    return text + f"; {d['valid_outputs']}/{d['batch']} valid JSON"
+
+
 headlines = {
     "env": f"{env['gpu']} ({env['capability']}), torch {env['torch']}, CUDA {env['cuda']}, "
            f"triton {env['triton']}, flash-attn {env['flash_attn'] or 'not installed'}",
@@ -281,17 +374,23 @@ headlines = {
     "engine-tests": junit("engine-tests"),
     "kernel-bench": bench_headline(),
     "e2e-throughput": e2e_headline(),
+    "structured": structured_headline(),
 }
 steps = [line.rstrip("\n").split("\t") for line in open(os.path.join(logs, "steps.tsv"))]
 try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip() or "unknown"
+                            text=True, timeout=10).stdout.strip()
 except Exception:
-    commit = "unknown"
+    commit = ""
+if not commit:  # the device machine gets the tree without .git: gpu_prepare.sh wrote it
+    try:
+        commit = open(os.path.join(".gpu_assets", "commit")).read().strip()
+    except OSError:
+        commit = "unknown"
 date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 total = int(os.environ.get("GPU_CI_SECONDS", "0"))
 lines = [f"# GPU CI: {env['gpu']}", "",
-         f"commit `{commit}`, {date}, total {total} s (budget 600 s)", "",
+         f"commit `{commit}`, {date}, total {total} s (budget {os.environ.get('BUDGET', '?')} s)", "",
          "| step | status | seconds | result |", "|---|---|---:|---|"]
 for name, status, secs, _rc in steps:
     lines.append(f"| {name} | {status} | {secs} | {headlines.get(name, '')} |")
@@ -303,5 +402,6 @@ for path in (os.path.join(out, "summary.md"), os.path.join(results, f"gpu-ci-{sl
     open(path, "w").write(md)
 print("\n" + md)
 PYEOF
+pack
 
-awk -F'\t' '$2 != "ok" { bad = 1 } END { exit bad }' "$OUT/logs/steps.tsv"
+awk -F'\t' '$2 != "ok" { bad = 1 } END { exit bad }' "$WORK/logs/steps.tsv"

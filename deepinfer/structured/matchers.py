@@ -13,7 +13,8 @@ How it fits the step loop (``LLMEngine``):
 - ``logits_mask``: at launch. Returns a callable that the runner calls after enqueuing
   the forward and before sampling (on a GPU the host fills the bitmask while the device
   runs the model): each constrained row's matcher fills its row of the bitmask; the
-  runner applies it to those rows' logits on their device.
+  runner applies it to those rows' logits on their device. A row whose sequence ended
+  meanwhile (its token will be dropped) is left unmasked.
 - ``after_update``: after ``Scheduler.update``. Each matcher is fed the tokens its
   sequence gained. A matcher that terminated (it accepted a stop token; with
   ``ignore_eos`` the model's EOS) ends its sequence with ``"stop"``; a token the matcher
@@ -30,8 +31,10 @@ Logprobs of a constrained sample are those of its masked logits (disallowed toke
 -inf), as the sampler sees them.
 
 Overlapped scheduling: step k+1's bitmask needs step k's token accepted, which is still
-on its way when k+1 is launched. The engine therefore runs without overlap while
-``live`` (any constrained request registered) and with it again afterwards.
+on its way when k+1 is launched. The engine enqueues step k+1's forward, lands step k
+(``after_update`` feeds its tokens), and only then calls the mask callable and enqueues
+k+1's sampling: every mask is built from matchers that have seen every earlier token,
+and the host's work still runs while the device computes the forward.
 """
 
 from __future__ import annotations
@@ -187,6 +190,8 @@ class StructuredOutputs:
             bm = self._bitmask = xgr.allocate_token_bitmask(max(n, 8), self.vocab_size)
         filled = []
         for i, seq in rows:
+            if seq.finish_reason is not None or seq.request_id not in self._requests:
+                continue  # ended after the launch (overlap): its token is dropped
             m = self.matcher_of(seq)
             if m.ended is None:
                 m.matcher.fill_next_token_bitmask(bm, i)

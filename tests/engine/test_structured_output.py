@@ -7,8 +7,9 @@ Every constrained output must be complete (finish_reason "stop": an output cut a
 max_tokens is a failure) and must match its constraint, checked without xgrammar
 (``jsonschema``, ``re.fullmatch``, a small recursive-descent parser).
 
-The SmolLM2 engine runs with ``async_scheduling=True`` so that the engine's switch
-(no overlap while a constrained request is live) is exercised on CPU too.
+The engines run with ``async_scheduling=True`` so that overlapped constrained steps (the
+forward enqueued before the step in flight lands, the mask filled after) are exercised on
+CPU too; the tiny-model test also checks them against the plain loop, token for token.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.jobs.records import read_inputs, result_record, submit_records, write_record
+from tests.engine.structured_cases import TINY_PROMPTS, TINY_SCHEMA, record_overlap, tiny_params
 
 SO = StructuredOutputsParams
 
@@ -268,33 +270,10 @@ def test_jsonl_records_with_structured_fields(llm, tmp_path):
 
 
 # ------------------------------------------------------------------ tiny model
-TINY_SCHEMA = {
-    "type": "object",
-    "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "s": {"type": "string", "maxLength": 6},
-                   "e": {"enum": ["a", "b"]}},
-    "required": ["k", "s", "e"],
-}
-
-
-def _tiny_params() -> list[SamplingParams]:
-    return [
-        SamplingParams(temperature=0.0, max_tokens=60, n=2,
-                       structured_outputs=SO(json=TINY_SCHEMA)),
-        SamplingParams(temperature=1.0, seed=3, max_tokens=60, n=2,
-                       structured_outputs=SO(regex="[a-e]{12,20}")),
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=8, max_tokens=60,
-                       structured_outputs=SO(json=TINY_SCHEMA)),
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                       structured_outputs=SO(choice=["left", "right"])),
-    ]
-
-
-def _tiny(path: str, kv_blocks: int) -> LLM:
+def _tiny(path: str, kv_blocks: int, overlap: bool = True) -> LLM:
     return LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32,
                max_num_seqs=8, block_size=8, kv_cache_memory=kv_blocks * 4096,
-               async_scheduling=True)
+               async_scheduling=overlap)
 
 
 def test_preemption_and_forks_keep_matchers_right(tiny_checkpoints):
@@ -303,16 +282,20 @@ def test_preemption_and_forks_keep_matchers_right(tiny_checkpoints):
     sample has its own matcher). ``ignore_eos`` with a grammar: the matcher's end (EOS)
     still ends the sample, with "stop"."""
     path = tiny_checkpoints["llama_tied"].path
-    prompts = ["the quick brown fox jumps over the lazy dog", "once upon a time",
-               "hello world, hello engine", "a b c d e f g h i j k l m n o p",
-               "numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
-    small, big = _tiny(path, 12), _tiny(path, 256)
-    got = small.generate(prompts, _tiny_params(), use_tqdm=False)
-    want = big.generate(prompts, _tiny_params(), use_tqdm=False)
+    prompts = TINY_PROMPTS
+    small, big, plain = _tiny(path, 12), _tiny(path, 256), _tiny(path, 256, overlap=False)
+    events = record_overlap(big.engine)
+    got = small.generate(prompts, tiny_params(), use_tqdm=False)
+    want = big.generate(prompts, tiny_params(), use_tqdm=False)
     assert small.engine.scheduler.stats.num_preemptions > 0
     assert big.engine.scheduler.stats.num_preemptions == 0
     key = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in got]
     assert key == [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in want]
+    # Constrained steps keep the overlap (launched while the step before is in flight,
+    # masked after it lands) and give what the plain loop gives.
+    assert sum(1 for in_flight, deferred in events if in_flight == 1 and deferred) > 10
+    want_plain = plain.generate(prompts, tiny_params(), use_tqdm=False)
+    assert key == [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in want_plain]
     for c in got[0].outputs + got[3].outputs:
         _complete(c)
         jsonschema.validate(json.loads(c.text), TINY_SCHEMA)

@@ -1,0 +1,56 @@
+"""A launched step's sampled ids on their way to the host (``ModelRunner.launch``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class SampledTokens:
+    """A launched step's sampled ids. ``result()`` waits for them: on CUDA they are copied
+    into pinned memory on a side stream behind an event, so the host can schedule and
+    launch the next step first (overlapped scheduling).
+
+    ``pending``: the step's sampling not enqueued yet (a structured-output step, whose
+    token mask needs the grammar matchers to have seen every earlier token): a callable
+    that enqueues it and returns the ``SampledTokens`` it produced. ``finish_sampling()``
+    runs it; ``result()`` does so first if no one did."""
+
+    def __init__(self, ids: torch.Tensor | None, logprobs: list | None,
+                 host: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
+                 *, pending: Callable[[], SampledTokens] | None = None) -> None:
+        self._ids = ids
+        self._host = host
+        self._event = event
+        self.logprobs = logprobs
+        self._pending = pending
+
+    @classmethod
+    def deferred(cls, pending: Callable[[], SampledTokens]) -> SampledTokens:
+        """A step whose forward is enqueued and whose sampling waits for
+        ``finish_sampling()``."""
+        return cls(None, None, pending=pending)
+
+    @property
+    def sampling_pending(self) -> bool:
+        """Whether the sampling still waits for ``finish_sampling()``."""
+        return self._pending is not None
+
+    def finish_sampling(self) -> None:
+        """Enqueue the deferred sampling (nothing when it is enqueued already)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            done = pending()
+            self._ids, self._host, self._event = done._ids, done._host, done._event
+            self.logprobs = done.logprobs
+
+    def result(self) -> tuple[list[int], list | None]:
+        """The sampled ids (one per sample, sample order) and logprobs (or None)."""
+        self.finish_sampling()
+        if self._ids is None:
+            return [], self.logprobs
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.tolist(), self.logprobs
+        return self._ids.tolist(), self.logprobs
