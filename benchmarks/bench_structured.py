@@ -98,10 +98,16 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
     valid = 0
+    fill = engine.structured.stats
+    fill_s, fill_steps, fill_rows = [], [], []
     for r in range(reps):
+        before = (fill.fill_seconds, fill.fills, fill.filled_rows)
         dt, n, outs = timed(llm, prompts, constrained)
         times["constrained"].append(dt)
         tokens["constrained"] = n
+        fill_s.append(fill.fill_seconds - before[0])
+        fill_steps.append(fill.fills - before[1])
+        fill_rows.append(fill.filled_rows - before[2])
         if r == 0:
             lengths = [len(o.outputs[0].token_ids) for o in outs]
             valid = sum(_valid(o.outputs[0]) for o in outs)
@@ -118,8 +124,23 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
             tokens[mode] = n
     rows = {m: {"seconds": statistics.median(times[m]), "tokens": tokens[m],
                 "tok_s": tokens[m] / statistics.median(times[m])} for m in modes}
+    i = times["constrained"].index(statistics.median(times["constrained"]))
+    mask = {"seconds": fill_s[i], "steps": fill_steps[i], "rows": fill_rows[i],
+            "threads": engine.structured.fill_threads,
+            "share_of_run": fill_s[i] / times["constrained"][i]}
     return {"batch": batch, "max_tokens": max_tokens, "reps": reps,
-            "compile_warmup_s": warmup, "valid_outputs": valid, "modes": rows}
+            "compile_warmup_s": warmup, "valid_outputs": valid, "modes": rows,
+            "mask_fill": mask}
+
+
+def mask_fill_line(res: dict) -> str:
+    """The host's mask-fill time of the median constrained run, in words."""
+    m = res["mask_fill"]
+    per_step = m["seconds"] / max(m["steps"], 1)
+    per_row = m["seconds"] / max(m["rows"], 1)
+    return (f"mask fill (host, median constrained run): {per_step * 1e3:.2f} ms a step, "
+            f"{per_row * 1e6:.1f} us a row, {m['share_of_run']:.1%} of the run "
+            f"({m['threads']} thread{'s' if m['threads'] > 1 else ''})")
 
 
 def _valid(c) -> bool:
@@ -162,7 +183,8 @@ def main() -> int:
     lines = table_lines(res)
     note = (f"\n\nvalid JSON outputs: {res['valid_outputs']}/{batch}; grammar compile + "
             f"first constrained request: {res['compile_warmup_s']:.2f} s; median of "
-            f"{args.reps} rounds; {torch.get_num_threads()} threads.")
+            f"{args.reps} rounds; {torch.get_num_threads()} threads.\n"
+            f"{mask_fill_line(res)}.")
     print("\n".join(lines) + note)
     if args.save:
         name = "cuda" if device == "cuda" else "cpu"
@@ -202,6 +224,9 @@ def test_bench_structured_smoke(tmp_path):
         assert math.isfinite(r["tok_s"]) and r["tok_s"] > 0
     assert res["valid_outputs"] == 3
     assert len(table_lines(res)) == 4
+    m = res["mask_fill"]
+    assert m["rows"] >= m["steps"] > 0 and 0 < m["share_of_run"] < 1
+    assert "us a row" in mask_fill_line(res)
     # With overlap (the CUDA default) the no-overlap rows join; the greedy constrained
     # batch generates the same tokens both ways.
     llm.engine.async_scheduling = True

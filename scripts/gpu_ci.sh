@@ -198,7 +198,8 @@ step kernel-tests 120 "$PY" -m pytest "${BASE_OPTS[@]}" tests/kernels -q --durat
     --ignore=tests/kernels/test_compile.py --junitxml="$WORK/logs/kernel-tests.xml"
 
 step engine-tests 80 "$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_engine.py \
-    tests/engine/test_llm.py -q -k "cuda or tiny" --junitxml="$WORK/logs/engine-tests.xml"
+    tests/engine/test_llm.py tests/engine/test_token_mask.py -q -k "cuda or tiny" \
+    --junitxml="$WORK/logs/engine-tests.xml"
 
 step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" "$PY" -m pytest \
     "${BASE_OPTS[@]}" benchmarks/bench_kernels.py benchmarks/bench_moe.py -q -s

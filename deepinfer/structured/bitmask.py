@@ -32,7 +32,10 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
 
     if logits.dtype != torch.float32:
         logits = logits.float()
-    bitmask = mask.bitmask.to(logits.device)
+    # non_blocking: a blocking host-to-device copy would wait for the forward enqueued
+    # before it (a stream sync each constrained step). From pageable memory the driver
+    # stages the bytes before returning, so the host may refill the mask right after.
+    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                     indices=mask.rows)
     return logits

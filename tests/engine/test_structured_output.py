@@ -305,3 +305,32 @@ def test_preemption_and_forks_keep_matchers_right(tiny_checkpoints):
     assert got[4].outputs[0].finish_reason == "stop"
     assert got[4].outputs[0].text in ("left", "right")
     assert not small.engine.structured.live and not small.engine.has_unfinished()
+
+
+def test_threaded_mask_fill_gives_the_same_outputs(tiny_checkpoints):
+    """Many constrained rows in a step are filled by xgrammar's thread pool where there
+    are cores to spare (``fill_threads`` > 1): the same masks, so the same outputs, as
+    one matcher at a time."""
+    from deepinfer.structured.matchers import BATCH_FILL_MIN_ROWS
+
+    path = tiny_checkpoints["llama_tied"].path
+    n = BATCH_FILL_MIN_ROWS + 4
+    prompts = [TINY_PROMPTS[i % len(TINY_PROMPTS)] + f" {i}" for i in range(n)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=60,
+                             structured_outputs=SO(json=TINY_SCHEMA) if i % 3
+                             else SO(regex="[a-e]{4,9}"))
+              for i in range(n)]
+    runs = []
+    for threads in (1, 2):
+        llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=n,
+                  kv_cache_memory=8 << 20)
+        so = llm.engine.structured
+        so.fill_threads = threads
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        assert (so._batch is not None) == (threads > 1)
+        assert so.stats.filled_rows > so.stats.fills >= 10 and so.stats.fill_seconds > 0
+    key = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in runs[0]]
+    assert key == [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in runs[1]]
+    for c in (o.outputs[0] for o in runs[1]):
+        _complete(c)
+
