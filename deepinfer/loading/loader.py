@@ -188,9 +188,11 @@ def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = cls(cfg, tp=tp)
     model.to(dtype)  # free on meta
-    model.to_empty(device=device)
+    # Not to_empty: its empty_like on meta tensors goes through torch._refs, whose first
+    # use imports torch.fx.experimental.symbolic_shapes (half a second at start-up).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.requires_grad_(False)
-    # to_empty also emptied the RoPE cache: derived from the config, rebuild it.
+    # That emptied the RoPE cache too: derived from the config, rebuild it.
     model.rotary.rebuild(dtype, device)
     return model
 
