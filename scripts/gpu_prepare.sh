@@ -9,10 +9,9 @@
 #                  read from the installed GGUF) for the structured-output benchmark's
 #                  random-weight model; commit: the commit under test (no .git travels)
 #
-# Both folders are git-ignored. Then, with the device tool:
-#   run(command="GPU_CI_WORK=/tmp/gpu-ci scripts/gpu_ci.sh", carry=[".whl", ".gpu_assets"],
-#       timeout_s=600)
-# and unpack $OUT/gpu-ci.tar.gz (logs/, results/): results/* go to benchmarks/results/.
+# Both folders are git-ignored. Then run scripts/gpu_ci.sh with the device tool as its
+# header says (carry=[".whl", ".gpu_assets"]; two calls, tests then benchmarks) and unpack
+# each $OUT/gpu-ci.tar.gz (logs/, results/): results/* go to benchmarks/results/.
 #
 #   scripts/gpu_prepare.sh            # PYTHON=... to use another interpreter than the venv's
 set -euo pipefail
