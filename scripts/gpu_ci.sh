@@ -8,10 +8,10 @@
 # 10 minutes each, the machine kept warm between them:
 #   run(command="GPU_CI_WORK=/tmp/gpu-ci GPU_CI_STEPS=compile-grid,kernel-tests,engine-tests
 #       scripts/gpu_ci.sh", carry=[".whl", ".gpu_assets"], timeout_s=600)
-#   run(command="GPU_CI_WORK=/tmp/gpu-ci2 GPU_CI_STEPS=kernel-bench,structured,e2e-throughput
+#   run(command="GPU_CI_WORK=/tmp/gpu-ci2 GPU_CI_STEPS=kernel-bench,structured,e2e-throughput,moe-sweep
 #       scripts/gpu_ci.sh", carry=[".whl", ".gpu_assets"], timeout_s=600)
 # (Step names: compile-grid kernel-tests engine-tests kernel-bench structured e2e-throughput
-# e2e-tp; GPU_CI_STEPS unset runs them all.)
+# moe-sweep e2e-tp; GPU_CI_STEPS unset runs them all.)
 #
 # Steps (each capped, and every cap cut to what is left of GPU_CI_BUDGET seconds, 560 by
 # default, so the summary is always written; a step that runs out of time is a failure,
@@ -32,6 +32,8 @@
 #      against the same batch unconstrained, overlap on and off, on a random-weight model
 #      of SmolLM2-135M's shapes with SmolLM2's real tokenizer (.gpu_assets/; without it a
 #      small BPE, whose masks are cheaper than a real vocabulary's)
+#   8. MoE GEMM tile sweep (benchmarks/bench_moe_sweep.py): the rule's tiles against their
+#      neighbours at the MoE targets' shapes, in the time the budget leaves
 # Then it prints one table. Everything goes under $WORK (GPU_CI_WORK, default $OUT):
 # logs/ (step logs, junit xml, compile table) and results/ (markdown + json that can be
 # committed to benchmarks/results/ as they are). When GPU_CI_WORK is set apart from $OUT,
@@ -44,7 +46,8 @@
 #   wheels ~5 s | env ~5 s | compile grid ~70-100 s, in the background [300 s] | kernel
 #   tests ~60-100 s [120 s] | engine tests ~30-60 s [80 s] | kernel benchmarks ~60-100 s
 #   + MoE ~30-50 s [150 s] | e2e, two runs ~100-180 s [180 s] | structured ~30-50 s
-#   [80 s]  =>  about 5-8 minutes.
+#   [80 s] | MoE sweep, what is left [150 s]  =>  about 5-8 minutes without the sweep;
+#   with GPU_CI_STEPS, tests in one call and benchmarks in the next.
 #
 # Does not assume the repo's venv: the GPU machine has torch + triton system-wide
 # ($PYTHON, else python / python3 from PATH). Exit status: 0 when every step passed.
@@ -263,6 +266,13 @@ export -f e2e
 export PY MODEL_DIR
 step e2e-throughput 180 bash -c e2e
 
+# The MoE GEMM's tiles around the rule's, in what the budget leaves (tuning data for when
+# a target is missed); the sweep stops itself in time to write its files.
+SWEEP_SECONDS=$(( BUDGET - (SECONDS - T0) - 60 ))
+[ "$SWEEP_SECONDS" -gt 120 ] && SWEEP_SECONDS=120
+step moe-sweep $(( SWEEP_SECONDS + 30 )) "$PY" benchmarks/bench_moe_sweep.py \
+    --out "$WORK/results" --max-seconds "$SWEEP_SECONDS"
+
 # Tensor parallelism needs a GPU per rank (NCCL refuses two ranks on one GPU): with one
 # GPU the TP layers run at size 1 inside the runs above; with two or more, --tp 1 vs 2.
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
@@ -333,7 +343,8 @@ def bench_headline():
 
 
 def moe_headline():
-    files = glob.glob(os.path.join(results, "moe-*.json"))
+    files = [f for f in glob.glob(os.path.join(results, "moe-*.json"))
+             if not os.path.basename(f).startswith("moe-sweep-")]
     if not files:
         return ""
     rows = json.load(open(files[0]))["results"]
@@ -391,6 +402,20 @@ def structured_headline():
     return text + f"; {d['valid_outputs']}/{d['batch']} valid JSON"
 
 
+def sweep_headline():
+    files = glob.glob(os.path.join(results, "moe-sweep-*.json"))
+    if not files:
+        return ""
+    d = json.load(open(files[0]))
+    worst = max((x for x in d["summary"] if x["rule_over_best"]),
+                key=lambda x: x["rule_over_best"], default=None)
+    text = f"{len(d['results'])} configurations" + ("" if d["meta"]["complete"] else " (cut)")
+    if worst:
+        text += (f"; rule / best at most {worst['rule_over_best']:.2f}x ({worst['model']} "
+                 f"M={worst['tokens']} {worst['gemm']})")
+    return text
+
+
 headlines = {
     "env": f"{env['gpu']} ({env['capability']}), torch {env['torch']}, CUDA {env['cuda']}, "
            f"triton {env['triton']}, flash-attn {env['flash_attn'] or 'not installed'}",
@@ -400,6 +425,7 @@ headlines = {
     "kernel-bench": bench_headline(),
     "e2e-throughput": e2e_headline(),
     "structured": structured_headline(),
+    "moe-sweep": sweep_headline(),
 }
 steps = [line.rstrip("\n").split("\t") for line in open(os.path.join(logs, "steps.tsv"))]
 try:

@@ -50,3 +50,65 @@ def test_stops_without_a_gpu_and_packs_its_logs(tmp_path):
         err = tar.extractfile("logs/env.err").read().decode()
     assert "logs/env.err" in names and "CUDA is not available" in err
     assert (work / "logs" / "env.err").exists()
+
+
+def _summary_program() -> str:
+    """The Python of the script's summary step (its second here-document)."""
+    text = (ROOT / "scripts" / "gpu_ci.sh").read_text()
+    start = text.index("\n", text.index("GPU_CI_SECONDS=")) + 1
+    return text[start:text.index("\nPYEOF", start)]
+
+
+def test_summary_table_from_every_step(tmp_path):
+    """The summary step reads what each step leaves (real CPU results of the benchmarks
+    standing in for the GPU's, same formats) and writes one table with a line per step;
+    the MoE sweep's file is not mistaken for the MoE benchmark's."""
+    import json
+
+    work = tmp_path / "work"
+    logs, results = work / "logs", work / "results"
+    logs.mkdir(parents=True)
+    results.mkdir()
+    (logs / "env.json").write_text(json.dumps({
+        "gpu": "NVIDIA H200", "capability": "sm_90", "torch": "2.11", "cuda": "13.0",
+        "triton": "3.6.0", "flash_attn": None, "xgrammar": "0.2.9"}))
+    steps = ["env", "kernel-tests", "engine-tests", "kernel-bench", "structured",
+             "e2e-throughput", "moe-sweep", "compile-grid"]
+    (logs / "steps.tsv").write_text("".join(f"{s}\tok\t3\t0\n" for s in steps))
+    res = ROOT / "benchmarks" / "results"
+    shutil.copy(res / "structured-cpu.json", results / "structured-cuda.json")
+    # bench_moe's rows as it writes them on CUDA (its CPU run times no fused kernel).
+    q = "qwen3-30b-a3b"
+    (results / "moe-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
+        {"model": q, "tokens": 16, "impl": "triton-fused", "ms": 0.1, "bw_frac": 0.7},
+        {"model": q, "tokens": 8, "impl": "triton-fused", "ms": 0.1, "bw_frac": 0.8},
+        {"model": q, "tokens": 256, "impl": "triton-fused", "ms": 0.2},
+        {"model": q, "tokens": 256, "impl": "torch-per-expert-loop", "ms": 0.8,
+         "speedup_of_triton-fused": 4.0}]}))
+    shutil.copy(res / "throughput-cpu.json", results / "throughput-cuda.json")
+    sweep = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe_sweep.py"),
+                            "--out", str(results)], capture_output=True, text=True, timeout=300)
+    assert sweep.returncode == 0, sweep.stderr
+    (results / "kernels-h200.json").write_text(json.dumps({"meta": {}, "results": [
+        {"op": "decode", "case": "b1", "impl": "sdpa-flash", "ms": 2.0, "triton_speedup": 2.0},
+        {"op": "decode", "case": "b1", "impl": "triton", "ms": 1.0}]}))
+    (tmp_path / ".gpu_assets").mkdir()
+    (tmp_path / ".gpu_assets" / "commit").write_text("abc1234\n")
+    res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60,
+                         env={"WORK": str(work), "GPU_CI_SECONDS": "42", "BUDGET": "560",
+                              "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    md = (work / "summary.md").read_text()
+    assert md == (results / "gpu-ci-nvidia-h200.md").read_text()
+    assert "commit `abc1234`" in md and "total 42 s (budget 560 s)" in md
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+            if line.startswith("| ") and " | ok | " in line}
+    assert sorted(rows) == sorted(steps)
+    assert "decode 2.00x vs sdpa-flash" in rows["kernel-bench"]
+    # From bench_moe's file, not the sweep's (which a "moe-*.json" glob also matches).
+    assert ("MoE: qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
+            "M<=16") in rows["kernel-bench"]
+    assert "constrained" in rows["structured"] and "valid JSON" in rows["structured"]
+    assert "overlap on: 233 tok/s" in rows["e2e-throughput"]
+    assert "configurations" in rows["moe-sweep"]
