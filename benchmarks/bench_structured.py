@@ -95,6 +95,9 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
     modes = ["constrained", "unconstrained"]
     if overlap:  # what the overlap is worth to each (constrained steps keep it)
         modes += ["constrained, no overlap", "unconstrained, no overlap"]
+    threads = engine.structured.fill_threads
+    if threads > 1:  # what filling the masks on xgrammar's thread pool is worth
+        modes.append("constrained, 1 fill thread")
     times: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, int] = {}
     valid = 0
@@ -115,11 +118,13 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
                  for m in lengths]
         for mode in modes[1:]:
             engine.async_scheduling = overlap and not mode.endswith("no overlap")
+            engine.structured.fill_threads = 1 if mode.endswith("1 fill thread") else threads
             try:
                 dt, n, _ = timed(llm, prompts,
                                  constrained if mode.startswith("constrained") else plain)
             finally:
                 engine.async_scheduling = overlap
+                engine.structured.fill_threads = threads
             times[mode].append(dt)
             tokens[mode] = n
     rows = {m: {"seconds": statistics.median(times[m]), "tokens": tokens[m],
@@ -227,13 +232,16 @@ def test_bench_structured_smoke(tmp_path):
     m = res["mask_fill"]
     assert m["rows"] >= m["steps"] > 0 and 0 < m["share_of_run"] < 1
     assert "us a row" in mask_fill_line(res)
-    # With overlap (the CUDA default) the no-overlap rows join; the greedy constrained
-    # batch generates the same tokens both ways.
+    # With overlap (the CUDA default) the no-overlap rows join, and with fill threads (8+
+    # cores) the one-thread row; the greedy constrained batch generates the same tokens
+    # every way.
     llm.engine.async_scheduling = True
+    llm.engine.structured.fill_threads = 2
     res = measure(llm, batch=3, max_tokens=400, reps=1)
     modes = res["modes"]
-    assert len({r["tokens"] for r in modes.values()}) == 1 and len(modes) == 4
-    assert llm.engine.async_scheduling and len(table_lines(res)) == 6
+    assert len({r["tokens"] for r in modes.values()}) == 1 and len(modes) == 5
+    assert llm.engine.async_scheduling and llm.engine.structured.fill_threads == 2
+    assert len(table_lines(res)) == 7 and res["mask_fill"]["threads"] == 2
 
 
 if __name__ == "__main__":
