@@ -53,9 +53,10 @@ from deepinfer.structured.grammar import GrammarCache, tokenizer_info
 from deepinfer.structured.params import StructuredOutputsParams
 from scheduler import Sequence
 
-# A row's mask costs 1-15 us on one core (SmolLM2's 49k vocabulary; most inside strings).
+# A row's mask costs 1-19 us on one core (SmolLM2's 49k vocabulary; most inside strings).
 # Many rows are filled by xgrammar's thread pool where there are cores to spare: on 2 cores
 # it was slower than one thread (18 vs 15 us a row at 64 rows), so only from 8 cores.
+# bench_structured measures both where the pool is used.
 BATCH_FILL_MIN_ROWS = 16
 
 
@@ -132,7 +133,8 @@ class StructuredOutputs:
         self._matchers: dict[int, SampleMatcher] = {}
         self._bitmask: torch.Tensor | None = None
         self.fill_threads = default_fill_threads()
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, at the first batch fill
+        # (threads, xgrammar's BatchGrammarMatcher), made at the first batch fill
+        self._batch: tuple[int, Any] | None = None
         self.stats = FillStats()
 
     @property
@@ -227,11 +229,12 @@ class StructuredOutputs:
                 matchers.append(m.matcher)
                 filled.append(i)
         if len(filled) >= BATCH_FILL_MIN_ROWS and self.fill_threads > 1:
-            if self._batch is None:
+            if self._batch is None or self._batch[0] != self.fill_threads:
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
-            self._batch.batch_fill_next_token_bitmask(matchers, bm, filled)
+                pool = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+                self._batch = (self.fill_threads, pool)
+            self._batch[1].batch_fill_next_token_bitmask(matchers, bm, filled)
         else:
             for m, i in zip(matchers, filled):
                 m.fill_next_token_bitmask(bm, i)
