@@ -130,8 +130,9 @@ try:
 except Exception:
     fa = None
 try:
-    import xgrammar
-    xg = xgrammar.__version__
+    import xgrammar  # noqa: F401  (it has no __version__: read the installed metadata)
+    from importlib.metadata import version
+    xg = version("xgrammar")
 except Exception:
     xg = None  # the structured-output step fails then; the others run
 free, total = torch.cuda.mem_get_info()
