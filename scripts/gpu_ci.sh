@@ -80,8 +80,9 @@ selected() { [ "$STEPS" = all ] || [[ ",$STEPS," == *",$1,"* ]]; }
 # tool brings back 8 files at most), with the summary beside it once there is one.
 pack() {
     [ "$WORK" = "$OUT" ] && return 0
-    tar -czf "$OUT/gpu-ci.tar.gz.part" -C "$WORK" logs results 2>/dev/null \
-        && mv -f "$OUT/gpu-ci.tar.gz.part" "$OUT/gpu-ci.tar.gz"
+    # Exit status 1: a file changed while read (the background compile grid's log).
+    tar -czf "$OUT/gpu-ci.tar.gz.part" -C "$WORK" logs results 2>/dev/null
+    [ $? -le 1 ] && mv -f "$OUT/gpu-ci.tar.gz.part" "$OUT/gpu-ci.tar.gz"
     [ -f "$WORK/summary.md" ] && cp -f "$WORK/summary.md" "$OUT/summary.md"
     return 0
 }
