@@ -28,6 +28,28 @@ __all__ = [
     "fused_moe",
 ]
 
+
+
+def _refuse_name_clash() -> None:
+    """HuggingFace's ``kernels`` distribution (transformers 5.25 and later require it)
+    has this package's import name: whichever comes first on ``sys.path`` hides the other,
+    and transformers then fails deep inside with "cannot import name ... from 'kernels'".
+    Say so here instead, with the way out."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        other = distribution("kernels")
+    except PackageNotFoundError:
+        return
+    raise ImportError(
+        f"the 'kernels' distribution {other.version} (HuggingFace's; transformers >= 5.25 "
+        "requires it) is installed beside deepinfer, whose kernel package has the same "
+        "import name 'kernels', so one hides the other: pip uninstall kernels && "
+        "pip install 'transformers<5.25'")
+
+
+_refuse_name_clash()
+
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -39,3 +39,21 @@ def test_import_without_triton_raises_on_call():
     res = _run(code)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_huggingface_kernels_beside_it_is_named(tmp_path):
+    """An installed distribution named "kernels" (HuggingFace's, which transformers 5.25
+    requires) would hide this package or be hidden by it: importing ours says so, with the
+    way out, instead of transformers failing later on a missing name."""
+    site = tmp_path / "site"
+    info = site / "kernels-0.19.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", "import kernels"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "'kernels' distribution 0.19.1" in res.stderr
+    assert "pip uninstall kernels" in res.stderr
+    assert _run("import kernels").returncode == 0  # without it: imports
