@@ -94,10 +94,12 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / 1e9 / (time_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
-def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> list[dict]:
-    """Time one (model shape, M) on the same routing; returns result rows."""
+def layer_inputs(model: str, num_tokens: int, g: torch.Generator
+                 ) -> tuple[torch.Tensor, ...]:
+    """Random inputs of one MoE layer of ``model``'s shape at ``num_tokens`` tokens:
+    ``(x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [M, k], topk_ids [M, k])``,
+    routed by the kernel on CUDA and by the reference on CPU."""
     experts, top_k, hidden, inter = SHAPES[model]
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn((num_tokens, hidden), generator=g, device=DEVICE).to(DTYPE)
     w13 = (torch.randn((experts, 2 * inter, hidden), generator=g, device=DEVICE)
            * hidden**-0.5).to(DTYPE)
@@ -106,6 +108,14 @@ def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> l
     logits = torch.randn((num_tokens, experts), generator=g, device=DEVICE)
     route = kernels.moe_route if IS_CUDA else reference.moe_route
     weights, ids = route(logits, top_k, True)
+    return x, w13, w2, weights, ids
+
+
+def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> list[dict]:
+    """Time one (model shape, M) on the same routing; returns result rows."""
+    experts, top_k, hidden, inter = SHAPES[model]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x, w13, w2, weights, ids = layer_inputs(model, num_tokens, g)
 
     touched = int(torch.unique(ids).numel())
     weight_gb = touched * 3 * hidden * inter * x.element_size() / 1e9

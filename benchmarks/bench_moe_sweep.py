@@ -29,7 +29,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_moe import DEVICE, DTYPE, IS_CUDA, SHAPES, copy_bandwidth, time_ms
+from bench_moe import (
+    DEVICE,
+    DTYPE,
+    IS_CUDA,
+    SHAPES,
+    copy_bandwidth,
+    layer_inputs,
+    time_ms,
+)
 from results_meta import git_commit, utc_now
 
 import kernels  # before triton: on CPU it switches the interpreter on
@@ -69,13 +77,7 @@ def sweep_case(model: str, num_tokens: int, copy_gbs: float, deadline: float,
     """Time every (BLOCK_M, tile) of both GEMMs of one case; rows as documented above."""
     experts, top_k, hidden, inter = SHAPES[model]
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn((num_tokens, hidden), generator=g, device=DEVICE).to(DTYPE)
-    w13 = (torch.randn((experts, 2 * inter, hidden), generator=g, device=DEVICE)
-           * hidden**-0.5).to(DTYPE)
-    w2 = (torch.randn((experts, hidden, inter), generator=g, device=DEVICE)
-          * inter**-0.5).to(DTYPE)
-    weights, ids = kernels.moe_route(torch.randn((num_tokens, experts), generator=g,
-                                                 device=DEVICE), top_k, True)
+    x, w13, w2, weights, ids = layer_inputs(model, num_tokens, g)
     touched = int(torch.unique(ids).numel())
     act = torch.randn((num_tokens * top_k, inter), generator=g, device=DEVICE).to(DTYPE)
     target = Target.of(DEVICE)

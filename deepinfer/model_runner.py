@@ -331,9 +331,15 @@ class ModelRunner:
         # The mask is filled once the matchers have seen every earlier token: with a step
         # in flight that is after the engine lands it (``finish_sampling``), while the
         # device runs this step's forward.
-        return SampledTokens.deferred(lambda: self._sample(logits, st, slots, logits_mask))
+        return SampledTokens.deferred(
+            lambda: self._sample_deferred(logits, st, slots, logits_mask))
 
-    @torch.inference_mode()
+    def _sample_deferred(self, *args) -> SampledTokens:
+        """``_sample`` called after ``_launch`` returned (deferred): in inference mode
+        again, as the tensors it updates in place were made in it."""
+        with torch.inference_mode():
+            return self._sample(*args)
+
     def _sample(self, logits: torch.Tensor, st: SamplingTensors, slots: torch.Tensor,
                 logits_mask: Callable[[], TokenMask | None] | None) -> SampledTokens:
         """Enqueue the sampling of a step's logits (``[num_samples, V]``) into

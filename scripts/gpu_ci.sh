@@ -246,7 +246,7 @@ structured() {
     cp benchmarks/results/structured-cuda.* "$WORK/results/"
 }
 export -f structured
-export PY SMOL_DIR SMOL_TOKENIZER WORK
+export PY SMOL_DIR SMOL_TOKENIZER
 step structured 80 bash -c structured
 
 # nano-vllm's workload scale on a random-weight model of Qwen3-0.6B's shapes (weights
