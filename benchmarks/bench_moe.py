@@ -187,16 +187,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(meta: dict, rows: list[dict], out_dir: Path) -> Path:
+def write(meta: dict, rows: list[dict], out_dir: Path, prefix: str = "moe",
+          render: Callable[[dict, list[dict]], str] = markdown) -> Path:
+    """``<prefix>-<device>.json`` (meta and rows) and ``.md`` (``render``'s table) in
+    ``out_dir``; returns the markdown file's path."""
     slug = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"moe-{slug}.json").write_text(
+    (out_dir / f"{prefix}-{slug}.json").write_text(
         json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    (out_dir / f"moe-{slug}.md").write_text(markdown(meta, rows))
-    return out_dir / f"moe-{slug}.md"
+    (out_dir / f"{prefix}-{slug}.md").write_text(render(meta, rows))
+    return out_dir / f"{prefix}-{slug}.md"
 
 
-def _out_dir(save: bool, out: str | None) -> Path | None:
+def out_dir(save: bool, out: str | None) -> Path | None:
+    """Where a benchmark's results go: ``out``, else ``$DEEPINFER_BENCH_OUT``, else
+    benchmarks/results when saving, else nowhere (None)."""
     out = out or os.environ.get("DEEPINFER_BENCH_OUT")
     if out:
         return Path(out)
@@ -208,22 +213,29 @@ def test_bench_moe(tmp_path):
     On CPU, a scaled-down grid; on CUDA, the issue's grid."""
     meta, rows = run(TOKENS if IS_CUDA else TOKENS[:2])
     assert rows and all(r["ms"] > 0 for r in rows)
-    path = write(meta, rows, _out_dir(False, None) or tmp_path)
+    path = write(meta, rows, out_dir(False, None) or tmp_path)
     assert path.exists()
     print("\n" + path.read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(argv: list[str] | None, doc: str, run_all: Callable[[], tuple[dict, list[dict]]],
+        render: Callable[[dict, list[dict]], str], prefix: str) -> int:
+    """A results benchmark's command line: ``--save`` / ``--out DIR``; runs ``run_all``,
+    prints ``render``'s table and writes the files (see ``write``) where asked."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--save", action="store_true", help="write to benchmarks/results/")
     parser.add_argument("--out", help="write the results files here instead")
     args = parser.parse_args(argv)
-    meta, rows = run()
-    print(markdown(meta, rows))
-    out_dir = _out_dir(args.save, args.out)
-    if out_dir is not None:
-        print(f"written: {write(meta, rows, out_dir)}")
+    meta, rows = run_all()
+    print(render(meta, rows))
+    directory = out_dir(args.save, args.out)
+    if directory is not None:
+        print(f"written: {write(meta, rows, directory, prefix, render)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, __doc__, run, markdown, "moe")
 
 
 if __name__ == "__main__":

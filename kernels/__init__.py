@@ -26,6 +26,10 @@ __all__ = [
     "moe_align",
     "fused_moe_gemm",
     "fused_moe",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_qk",
+    "silu_and_mul",
 ]
 
 
@@ -61,12 +65,15 @@ else:
     _IMPORT_ERROR = None
 
 if _IMPORT_ERROR is None:
+    from kernels.activation import silu_and_mul
     from kernels.cache_ops import clone_blocks, clone_states, zero_states
     from kernels.decode_attention import paged_decode_attention
     from kernels.fused_moe import fused_moe, fused_moe_gemm
     from kernels.moe_align import moe_align
     from kernels.moe_routing import moe_route
     from kernels.prefill_attention import paged_prefill_attention
+    from kernels.rms_norm import add_rms_norm, rms_norm
+    from kernels.rotary import rotary_qk
     from kernels.store_kv import store_kv
 else:  # pragma: no cover
 
@@ -90,3 +97,7 @@ else:  # pragma: no cover
     moe_align = _missing("moe_align")
     fused_moe_gemm = _missing("fused_moe_gemm")
     fused_moe = _missing("fused_moe")
+    rms_norm = _missing("rms_norm")
+    add_rms_norm = _missing("add_rms_norm")
+    rotary_qk = _missing("rotary_qk")
+    silu_and_mul = _missing("silu_and_mul")

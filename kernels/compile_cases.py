@@ -1,8 +1,9 @@
 """What the ahead-of-time compile check compiles: the targets (sm_80, sm_90), the op calls
-the engine makes on them (``Case``: op, dtype, head_dim, GQA, block size), one compiled
-kernel's result (``KernelResult``: registers, spills, shared memory, tensor cores, and why
-it fails the check), and ``plan``: a case's launches through the ops' own ``*_launches``
-planners on meta tensors (no GPU, no data). ``kernels.compile_check`` compiles them.
+the engine makes on them (``Case``: op, dtype, head_dim, GQA, block size, variant), one
+compiled kernel's result (``KernelResult``: registers, spills, shared memory, tensor cores,
+and why it fails the check), and ``plan``: a case's launches through the ops' own
+``*_launches`` planners on meta tensors (no GPU, no data). ``kernels.compile_check``
+compiles them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class Case:
     ``moe_gemm`` (the layer's two grouped GEMMs: gate+up with SiLU-and-mul, down),
     ``moe_align`` (its three alignment kernels), ``moe_route``. head_dim, gqa and
     block_size do not apply to them (and are left out of their ids).
+
+    The decoder layer's elementwise ops (no tensor cores; ids name what sets their tile):
+    ``rms_norm`` and ``add_rms_norm`` (the norm fused with the residual add before it),
+    variant ``h<hidden>-t<tokens>`` (id ``rms_norm-sm_90-bf16-h4096-t256``);
+    ``silu_and_mul``, variant ``i<intermediate>-t<tokens>``; ``rotary_qk`` on head_dim
+    with ``NUM_KV_HEADS * gqa`` q heads, variant ``norm`` (Qwen3's per-head q/k norm fused
+    in) or ``rope`` (id ``rotary_qk-sm_90-bf16-d128-hq16-hkv8-norm``). gqa and block_size
+    do not apply to the first three, nor head_dim (all left out of their ids).
     """
 
     op: str
@@ -63,8 +72,11 @@ class Case:
 
     @property
     def id(self) -> str:
-        if self.op.startswith("moe_"):
+        if self.op.startswith("moe_") or self.op in _ROW_OPS:
             return f"{self.op}-{self.arch}-{self.dtype}-{self.variant}"
+        if self.op == "rotary_qk":
+            return (f"{self.op}-{self.arch}-{self.dtype}-d{self.head_dim}"
+                    f"-hq{NUM_KV_HEADS * self.gqa}-hkv{NUM_KV_HEADS}-{self.variant}")
         parts = [self.op, self.arch, self.dtype, f"d{self.head_dim}", f"gqa{self.gqa}",
                  f"bs{self.block_size}"]
         return "-".join(parts + ([self.variant] if self.variant else []))
@@ -115,6 +127,10 @@ class KernelResult:
 
 # --- cases -----------------------------------------------------------------------------
 
+# Row-wise elementwise ops of the decoder layer: one (variant-named) shape per case.
+_ROW_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
+LAYER_OPS = (*_ROW_OPS, "rotary_qk")
+
 _ATTN_OPS = ("decode", "decode_split", "prefill")
 
 # (experts, top_k, hidden, intermediate) of the MoE models the issue targets.
@@ -145,7 +161,8 @@ def moe_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
 def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     """The whole grid: head_dim 64/128/256 x GQA 1/4/8 x block size 16/32 x bf16/fp16/fp32
     for decode (unsplit and split) and prefill, plus the engine's other block sizes (8, 64)
-    at GQA 4; store_kv and the copy ops per dtype."""
+    at GQA 4; store_kv and the copy ops per dtype; the MoE cases (``moe_cases``) and the
+    decoder layer's elementwise ops (``layer_cases``)."""
     shapes = [(gqa, bs) for gqa in (1, 4, 8) for bs in (16, 32)] + [(4, 8), (4, 64)]
     cases = []
     for arch in archs:
@@ -160,7 +177,35 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         for op, variant in itertools.product(("zero_states", "clone_states"),
                                              ("int64", "int32")):
             cases.append(Case(op, arch, "fp32", 128, 1, 16, variant))
-    return cases + moe_cases(archs)
+    return cases + moe_cases(archs) + layer_cases(archs)
+
+
+# Decoder-layer shapes: one sequence's decode token (a row count of 1 is specialized by
+# the compiler, and silu_and_mul plans a one-row tile for it), a decode batch and a
+# prefill chunk of tokens (these two plan the same tiles today);
+# hidden sizes of Qwen3-0.6B (1024), Qwen3-1.7B (2048), Llama-3-8B / Mixtral / Qwen3-8B
+# (4096) and larger models (8192); MLP widths of Qwen3-0.6B (3072) and Llama-3-8B /
+# Mixtral (14336).
+LAYER_TOKENS = (1, 256, 8192)
+LAYER_HIDDEN = (1024, 2048, 4096, 8192)
+LAYER_INTERMEDIATE = (3072, 14336)
+
+
+def layer_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """The decoder layer's elementwise ops: RMSNorm alone and with the residual add per
+    hidden size x tokens, SiLU-and-mul per MLP width x tokens, rotary per head_dim
+    (64/128/256) x q heads (16, 32 with 8 KV heads) x with/without the q/k norm; each in
+    bf16/fp16/fp32."""
+    cases = []
+    for arch, dt in itertools.product(archs, DTYPES):
+        for op, h, t in itertools.product(("rms_norm", "add_rms_norm"), LAYER_HIDDEN,
+                                          LAYER_TOKENS):
+            cases.append(Case(op, arch, dt, variant=f"h{h}-t{t}"))
+        for i, t in itertools.product(LAYER_INTERMEDIATE, LAYER_TOKENS):
+            cases.append(Case("silu_and_mul", arch, dt, variant=f"i{i}-t{t}"))
+        for d, gqa, variant in itertools.product((64, 128, 256), (2, 4), ("rope", "norm")):
+            cases.append(Case("rotary_qk", arch, dt, d, gqa, variant=variant))
+    return cases
 
 
 def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
@@ -169,8 +214,8 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     Every tile configuration the launchers choose on each target: prefill (the kernel that
     spilled) at every head_dim x dtype, decode at every head_dim for 16-bit and fp32 (its
     tile depends on row bytes), split and unsplit; store_kv for one token and for a batch;
-    the copy kernel. GQA, block size and fp16/bf16 rotate across the cases (the full grid
-    covers every combination).
+    the copy kernel; the MoE tiles; each decoder-layer elementwise op once. GQA, block
+    size and fp16/bf16 rotate across the cases (the full grid covers every combination).
     """
     shapes = itertools.cycle([(4, 16), (8, 32), (1, 16), (4, 32)])
     cases = []
@@ -197,6 +242,12 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         if arch == "sm_90":
             cases.append(Case("moe_align", arch, "fp32", variant="qwen3-m4096"))
             cases.append(Case("moe_route", arch, "bf16", variant="qwen3-m4096"))
+        # Decoder-layer elementwise ops, one each: the fused add + norm of a decode batch,
+        # the widest norm row (8 warps) in fp32, Qwen3's norm + rotary, the MLP activation.
+        cases.append(Case("add_rms_norm", arch, "bf16", variant="h4096-t256"))
+        cases.append(Case("rms_norm", arch, "fp32", variant="h8192-t8192"))
+        cases.append(Case("rotary_qk", arch, "bf16", 128, 2, variant="norm"))
+        cases.append(Case("silu_and_mul", arch, "bf16", variant="i3072-t256"))
     return cases
 
 
@@ -221,6 +272,8 @@ def plan(case: Case) -> list[Launch]:
 
     if case.op.startswith("moe_"):
         return _plan_moe(case)
+    if case.op in LAYER_OPS:
+        return _plan_layer(case)
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -299,3 +352,39 @@ def _plan_moe(case: Case) -> list[Launch]:
         _meta(t * top_k, hidden, dtype=dtype), target)
     # fused_moe_launches: three alignment launches, then the two GEMMs.
     return launches[:3] if case.op == "moe_align" else launches[3:]
+
+
+def _plan_layer(case: Case) -> list[Launch]:
+    """A decoder-layer elementwise op's call, as the model makes it, via its planner."""
+    from kernels.activation import silu_and_mul_launches
+    from kernels.rms_norm import rms_norm_launches
+    from kernels.rotary import rotary_qk_launches
+
+    target = ARCHS[case.arch].target()
+    dtype = DTYPES[case.dtype]
+    if case.op == "rotary_qk":
+        # q and k are strided views of the fused qkv projection; a Qwen3 rope cache.
+        t, d, hkv = 256, case.head_dim, NUM_KV_HEADS
+        hq = hkv * case.gqa
+        qkv = _meta(t, (hq + 2 * hkv) * d, dtype=dtype)
+        q = qkv[:, :hq * d].unflatten(1, (hq, d))
+        k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
+        if case.variant not in ("norm", "rope"):
+            raise ValueError(f"{case.id}: variant must be 'norm' or 'rope'")
+        norm = case.variant == "norm"
+        qw, kw = (_meta(d, dtype=dtype), _meta(d, dtype=dtype)) if norm else (None, None)
+        return rotary_qk_launches(
+            q, k, _meta(40_960, d, dtype=dtype), _meta(t, dtype=torch.int64), qw, kw, 1e-6,
+            _meta(t, hq, d, dtype=dtype), _meta(t, hkv, d, dtype=dtype), target)
+    width, tokens = case.variant.split("-t")
+    t = int(tokens)
+    if case.op == "silu_and_mul":
+        inter = int(width.removeprefix("i"))
+        return silu_and_mul_launches(_meta(t, 2 * inter, dtype=dtype),
+                                     _meta(t, inter, dtype=dtype), target)
+    h = int(width.removeprefix("h"))
+    x = _meta(t, h, dtype=dtype)
+    fused = case.op == "add_rms_norm"
+    return rms_norm_launches(
+        x, torch.empty_like(x) if fused else None, _meta(h, dtype=dtype),
+        torch.empty_like(x), torch.empty_like(x) if fused else None, 1e-6, target)

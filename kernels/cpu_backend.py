@@ -44,7 +44,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, reference
-from kernels.reference import clone_blocks, clone_states, fused_moe, moe_route, zero_states
+from kernels.reference import (
+    add_rms_norm,
+    clone_blocks,
+    clone_states,
+    fused_moe,
+    moe_route,
+    rms_norm,
+    rotary_qk,
+    silu_and_mul,
+    zero_states,
+)
 
 __all__ = [
     "store_kv",
@@ -56,6 +66,10 @@ __all__ = [
     "clone_states",
     "moe_route",
     "fused_moe",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_qk",
+    "silu_and_mul",
 ]
 
 # Gathered K+V bytes per decode chunk (fp32 K+V of SmolLM2-135M: ~2.7k tokens). Measured

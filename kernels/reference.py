@@ -178,6 +178,55 @@ def clone_states(states: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
         s[dst.to(s.device)] = s[src.to(s.device)]
 
 
+# --- decoder-layer elementwise ops --------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x)).to(x.dtype)`` over the last dim, statistics in fp32 (Hugging
+    Face's RMSNorm, op for op). x ``[T, H]``, weight ``[H]`` -> ``[T, H]`` in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual``; returns ``(rms_norm(s, weight, eps), s)``, each ``[T, H]``."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of x ``[T, H, D]`` with cos/sin ``[T, 1, D/2]``: ``[x1 cos - x2 sin,
+    x2 cos + x1 sin]``, equal to Hugging Face's ``x cos + rotate_half(x) sin`` bit for bit
+    (``a + (-b) == a - b``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated by ``positions`` (``[T]`` int64) with
+    the rows of ``cos_sin_cache`` ``[max_positions, D]`` (cos half, sin half), after a
+    per-head RMSNorm when the norm weights (``[D]``) are given."""
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return rotate_half_pairs(q, cos, sin), rotate_half_pairs(k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # --- mixture of experts ------------------------------------------------------------------
 
 def moe_route(

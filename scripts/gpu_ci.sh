@@ -229,7 +229,8 @@ step engine-tests 150 "$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_e
     --junitxml="$WORK/logs/engine-tests.xml"
 
 step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" "$PY" -m pytest \
-    "${BASE_OPTS[@]}" benchmarks/bench_kernels.py benchmarks/bench_moe.py -q -s
+    "${BASE_OPTS[@]}" benchmarks/bench_kernels.py benchmarks/bench_moe.py \
+    benchmarks/bench_layer_ops.py -q -s
 
 # Structured output's cost at batch 64: SmolLM2-135M's shapes, random weights (no model
 # can be downloaded there and the GGUF is too big to carry), SmolLM2's real tokenizer when
@@ -341,7 +342,7 @@ def bench_headline():
                 parts.append(f"{op} {g:.2f}x vs {base}")
     head = ("Triton speedup (baseline ms / Triton ms, geomean): " + ", ".join(parts)
             if parts else "no baseline ran")
-    return head + moe_headline()
+    return head + moe_headline() + layer_ops_headline()
 
 
 def moe_headline():
@@ -362,6 +363,16 @@ def moe_headline():
                          + (f", weight-read bw {min(bw):.0%}-{max(bw):.0%} of copy at M<=16"
                             if bw else ""))
     return ("; MoE: " + ", ".join(parts)) if parts else ""
+
+
+def layer_ops_headline():
+    files = glob.glob(os.path.join(results, "layer-ops-*.json"))
+    if not files:
+        return ""
+    rows = json.load(open(files[0]))["results"]
+    parts = [f"{r['speedup']:.1f}x at {r['tokens']} tokens ({r['bw_frac']:.0%} of copy bw)"
+             for r in rows if r["op"] == "layer chain" and "speedup" in r]
+    return ("; layer elementwise chain fused vs torch: " + ", ".join(parts)) if parts else ""
 
 
 def compile_headline():

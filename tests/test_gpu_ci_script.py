@@ -92,6 +92,12 @@ def test_summary_table_from_every_step(tmp_path):
     (results / "kernels-h200.json").write_text(json.dumps({"meta": {}, "results": [
         {"op": "decode", "case": "b1", "impl": "sdpa-flash", "ms": 2.0, "triton_speedup": 2.0},
         {"op": "decode", "case": "b1", "impl": "triton", "ms": 1.0}]}))
+    # bench_layer_ops's rows as it writes them on CUDA (its CPU run times no fused op).
+    (results / "layer-ops-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
+        {"op": "silu_and_mul", "tokens": 256, "torch_ms": 0.02, "fused_ms": 0.01,
+         "speedup": 2.0, "bw_frac": 0.2},
+        {"op": "layer chain", "tokens": 256, "torch_ms": 0.3, "fused_ms": 0.05,
+         "speedup": 6.0, "bw_frac": 0.25}]}))
     (tmp_path / ".gpu_assets").mkdir()
     (tmp_path / ".gpu_assets" / "commit").write_text("abc1234\n")
     res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
@@ -109,6 +115,8 @@ def test_summary_table_from_every_step(tmp_path):
     # From bench_moe's file, not the sweep's (which a "moe-*.json" glob also matches).
     assert ("MoE: qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
             "M<=16") in rows["kernel-bench"]
+    assert ("layer elementwise chain fused vs torch: 6.0x at 256 tokens (25% of copy bw)"
+            in rows["kernel-bench"])
     assert "constrained" in rows["structured"] and "valid JSON" in rows["structured"]
     assert "overlap on: 233 tok/s" in rows["e2e-throughput"]
     assert "configurations" in rows["moe-sweep"]

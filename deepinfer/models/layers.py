@@ -1,8 +1,10 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul, the gated
+"""Building blocks of the decoder: RMSNorm, the rotary embedding's cos/sin cache, the gated
 (SwiGLU) MLP (Linear and Embedding without random init live in ``parallel_layers``).
 
-Each one reproduces the Hugging Face op bit-for-bit in the same dtype (same order of
-float operations), so fp32 logits match transformers to rounding.
+The torch versions of their ops (``kernels.reference``, the CPU backend) reproduce the
+Hugging Face ops bit-for-bit in the same dtype (same order of float operations), so fp32
+logits match transformers to rounding; the Triton backend fuses them (norm with the
+residual add, q/k norm with RoPE) within the kernels' tolerances.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.parallel_layers import Linear, row_parallel_linear
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
+from kernels import reference
 
 
 class RMSNorm(nn.Module):
@@ -28,16 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., size]`` any float dtype -> same shape and dtype."""
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[T, 2I]`` (gate then up, the fused projection's layout) -> ``silu(gate) * up``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -54,9 +47,10 @@ class GatedMLP(nn.Module):
         self.down_proj = row_parallel_linear(intermediate_size, hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, backend: Any = None) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]`` (``backend`` unused: the decoder layer
-        calls dense and MoE blocks alike)."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        """x ``[T, hidden]`` -> ``[T, hidden]``; ``backend``: the kernel provider whose
+        ``silu_and_mul`` runs (None: the torch reference's)."""
+        act = (backend or reference).silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -93,8 +87,8 @@ class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half, as HF) RoPE with a precomputed cos/sin cache.
 
     The cache ``[max_positions, head_dim]`` (cos half, then sin half) is built once in
-    the model dtype, so a step only gathers rows by position: no trig per step, and a
-    CUDA graph can replay it.
+    the model dtype; the backend's ``rotary_qk`` reads the rows of a step's positions
+    from it: no trig per step, and a CUDA graph can replay it.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -120,24 +114,3 @@ class RotaryEmbedding(nn.Module):
     def rebuild(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Recompute the cache (after ``to_empty`` left it uninitialised)."""
         self.cos_sin_cache = self._compute(dtype, device)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64 -> ``(cos, sin)``, each ``[T, 1, D/2]``.
-
-        Gathered once per step and shared by every layer (see :func:`apply_rotary`).
-        """
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor,
-                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[T, Hq, D]``, k ``[T, Hkv, D]``, ``RotaryEmbedding(positions)`` -> rotated q, k."""
-    cos, sin = cos_sin
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x1*cos - x2*sin equals HF's x*cos + rotate_half(x)*sin exactly (a + (-b) == a - b).
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -74,7 +74,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = backend.moe_route(self.gate(x), self.top_k, self.renormalize)
         out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
         return self.tp.all_reduce(out)
 
 

@@ -7,9 +7,10 @@ the MoE grouped GEMM) falling off the tensor cores. Launches are planned by the 
 
 ``make test`` compiles a representative subset (about a minute on 2 cores with a cold
 Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
-x op x target, ~800 kernels with the MoE ones) runs with ``DEEPINFER_COMPILE_FULL=1``: ``make
-compile-check`` and scripts/gpu_ci.sh. ``DEEPINFER_COMPILE_JOBS`` sets its process count;
-``DEEPINFER_COMPILE_OUT`` a folder for its table (markdown) and results (JSON).
+x op x target, ~1050 kernels with the MoE and decoder-layer ones) runs with
+``DEEPINFER_COMPILE_FULL=1``: ``make compile-check`` and scripts/gpu_ci.sh.
+``DEEPINFER_COMPILE_JOBS`` sets its process count; ``DEEPINFER_COMPILE_OUT`` a folder for
+its table (markdown) and results (JSON).
 """
 
 from __future__ import annotations
@@ -60,6 +61,35 @@ def test_quick_subset_covers_the_axes() -> None:
             (wide, d) for wide in (False, True) for d in (64, 128, 256)}
         assert {c.op for c in decode if c.dtype == "fp32"} == {"decode", "decode_split"}
         assert {c.op for c in decode if c.dtype != "fp32"} == {"decode", "decode_split"}
+        # The decoder layer's elementwise ops, each compiled on each target.
+        assert set(cc_cases.LAYER_OPS) <= ops
+
+
+def test_case_ids_are_unique() -> None:
+    """Results and verdicts are keyed by case id: two cases with one id would share a row."""
+    cases = cc_cases.full_cases() + cc_cases.quick_cases() + [cc_cases.spill_canary()]
+    ids = [c.id for c in cases]
+    assert len(set(ids)) == len({dataclasses.astuple(c) for c in cases})
+    assert cc_cases.Case("rms_norm", "sm_90", "bf16", variant="h4096-t256").id == (
+        "rms_norm-sm_90-bf16-h4096-t256")
+    assert cc_cases.Case("rotary_qk", "sm_80", "fp16", 128, 2, variant="norm").id == (
+        "rotary_qk-sm_80-fp16-d128-hq16-hkv8-norm")
+
+
+def test_layer_cases_cover_the_shapes() -> None:
+    """The full grid plans every hidden size and rotary half width, with and without the
+    residual add and the q/k norm; no elementwise op is held to tensor cores."""
+    layer = [c for c in cc_cases.full_cases() if c.op in cc_cases.LAYER_OPS]
+    assert not any(c.wants_tensor_cores for c in layer)
+    flags = {(c.op, launch.kwargs.get("HAS_RESIDUAL"), launch.kwargs.get("HAS_NORM"),
+              launch.kwargs.get("BLOCK_H"), launch.kwargs.get("BLOCK_HALF"))
+             for c in layer if c.arch == "sm_90" and c.dtype == "bf16"
+             for launch in cc_cases.plan(c)}
+    assert {f[:3] for f in flags} == {("rms_norm", False, None), ("add_rms_norm", True, None),
+                                      ("silu_and_mul", None, None), ("rotary_qk", None, False),
+                                      ("rotary_qk", None, True)}
+    assert {f[3] for f in flags if f[0] == "rms_norm"} == set(cc_cases.LAYER_HIDDEN)
+    assert {f[4] for f in flags if f[0] == "rotary_qk"} == {32, 64, 128}
 
 
 def test_planning_matches_the_case() -> None:

@@ -22,7 +22,16 @@ def _calls():
     cache = randn((2, 2, 8, 16, 2, 64), torch.float32, g)
     pairs = torch.tensor([[0, 5], [1, 6]], device=DEVICE)
     states = [randn((4, 3), torch.float32, g)]
+    x, w = randn((5, 96), torch.float32, g), randn((96,), torch.float32, g)
+    rope = randn((32, 64), torch.float32, g)
+    pos = torch.tensor([0, 3, 31, 7, 2], device=DEVICE)
+    norm_w = randn((64,), torch.float32, g)
     return [
+        lambda: kernels.rms_norm(x, w, 1e-6),
+        lambda: kernels.add_rms_norm(x, x, w, 1e-6),
+        lambda: kernels.rotary_qk(qp, k, rope, pos),
+        lambda: kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
+        lambda: kernels.silu_and_mul(x),
         lambda: kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
         lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens),
