@@ -43,9 +43,9 @@
 #
 # Expected time on an H200 box (16 cores), estimated from CPU measurements (not yet timed
 # on the GPU); the caps in brackets:
-#   wheels ~5 s | env ~5 s | compile grid ~70-100 s, in the background [300 s] | kernel
-#   tests ~60-100 s [180 s] | engine tests ~30-60 s [150 s] | kernel benchmarks ~60-100 s
-#   + MoE ~30-50 s [150 s] | e2e, two runs ~100-180 s [180 s] | structured ~30-50 s
+#   wheels ~5 s | env ~5 s | compile grid ~90-130 s (~1050 kernels), in the background
+#   [300 s] | kernel tests ~60-100 s [180 s] | engine tests ~30-60 s [150 s] | kernel
+#   benchmarks ~60-100 s + MoE ~30-50 s + layer ops ~10 s [150 s] | e2e, two runs ~100-180 s [180 s] | structured ~30-50 s
 #   [80 s] | MoE sweep, what is left [150 s]  =>  about 5-8 minutes without the sweep;
 #   with GPU_CI_STEPS, tests in one call and benchmarks in the next.
 #
