@@ -124,9 +124,12 @@ def moe_gemm_config(block_m: int, n: int, k: int, elem_bytes: int, gated: bool,
         return {"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
     if elem_bytes >= 4:
         # fp32 (IEEE dots on the FMA units, operands held in registers): K tiles of 32 and
-        # 3 stages; GATED's two accumulators get narrower N tiles from BLOCK_M 32 on.
-        # Wider tiles spill on sm_90 (64 x 64 x 4 stages at BLOCK_M 16: 8 B).
-        cfg = {"BLOCK_N": 32 if gated and block_m >= 32 else 64, "BLOCK_K": 32,
+        # 3 stages; N tiles of 32 for GATED's two accumulators from BLOCK_M 32 on, and at
+        # BLOCK_M 32. Other tiles spill on sm_90 (64 x 64 x 4 stages at BLOCK_M 16: 8 B;
+        # 32 x 64 x 32 down tiles: 8 B with Triton 3.6; 64 x 32 x 32 down tiles: 40 B with
+        # Triton 3.9, where 64 x 64 does not). The compile check runs them all.
+        narrow = block_m == 32 or (gated and block_m > 32)
+        cfg = {"BLOCK_N": 32 if narrow else 64, "BLOCK_K": 32,
                "GROUP_M": 1 if block_m == 16 else 8, "num_warps": 8 if block_m >= 128 else 4,
                "num_stages": 3}
     elif block_m == 16:
