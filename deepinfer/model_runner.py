@@ -83,7 +83,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
-        self.sampler = Sampler()
+        self.sampler = Sampler(backend)
         # A follower never samples: one row keeps the shapes valid.
         self.states = Sampler.make_state(spec.max_num_seqs if tp.leader else 1,
                                          cfg.vocab_size, device)

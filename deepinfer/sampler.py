@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingRows, seeded_uniforms
+from kernels import reference
 
 # Indices into the float rows of SamplingTensors.floats.
 _TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _UNIFORM = range(7)
@@ -147,7 +149,14 @@ class SamplingTensors:
 
 class Sampler:
     """Sampling logic. The per-slot penalty state is passed to ``sample`` by the caller
-    (the model runner owns it, so ``zero_states``/``clone_states`` maintain it)."""
+    (the model runner owns it, so ``zero_states``/``clone_states`` maintain it).
+
+    ``ops``: the kernel provider whose ``sample_tokens`` draws the rows that only scale by
+    a temperature (no top-k/top-p/min-p: the common case) in one fused pass on a GPU;
+    default ``kernels.reference`` (torch)."""
+
+    def __init__(self, ops: Any = None) -> None:
+        self.ops = reference if ops is None else ops
 
     @staticmethod
     def make_state(max_num_seqs: int, vocab_size: int,
@@ -208,10 +217,11 @@ class Sampler:
             raise ValueError(f"sample: {n} logit rows but {st.top_k.shape[0]} parameter rows")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device), None
-        # Own copy in float32 when a step below works in place (a greedy batch without
-        # penalties or bans only reads: no [N, V] copy, 50 MB at 256 rows of a 49k vocab).
+        # Own copy in float32 when a step below works in place (greedy rows and plain
+        # temperature sampling only read: no [N, V] copy, 50 MB at 256 rows of a 49k vocab).
         in_place = (st.do_repetition or st.do_presence_frequency
-                    or st.banned_rows is not None or not st.all_greedy)
+                    or st.banned_rows is not None
+                    or (not st.all_greedy and (st.do_top_k or st.do_top_p or st.do_min_p)))
         logits = logits.to(torch.float32, copy=in_place)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_logprobs >= 0 else None
@@ -258,7 +268,14 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Temperature, filters, then inverse-CDF sampling with one uniform per row;
-        greedy rows get garbage (replaced by the caller)."""
+        greedy rows get garbage (replaced by the caller). ``logits`` is only modified when
+        a filter is on (``sample`` then made it a copy)."""
+        uniform = st.floats[_UNIFORM]
+        if not st.all_seeded:
+            fresh = torch.rand(uniform.shape, device=uniform.device)
+            uniform = torch.where(uniform.isnan(), fresh, uniform) if st.any_seeded else fresh
+        if not (st.do_top_k or st.do_top_p or st.do_min_p):
+            return self.ops.sample_tokens(logits, st.temperatures, uniform)
         logits.div_(st.temperatures.unsqueeze(1))
         if st.do_top_p:
             _top_k_top_p_sorted(logits, st.top_k if st.do_top_k else None, st.top_p)
@@ -268,11 +285,6 @@ class Sampler:
         if st.do_min_p:
             top = probs.amax(dim=-1, keepdim=True)
             probs.masked_fill_(probs < st.min_p.unsqueeze(1) * top, 0.0)
-
-        uniform = st.floats[_UNIFORM]
-        if not st.all_seeded:
-            fresh = torch.rand(uniform.shape, device=uniform.device)
-            uniform = torch.where(uniform.isnan(), fresh, uniform) if st.any_seeded else fresh
         cdf = probs.cumsum(dim=-1)
         target = (uniform * cdf[:, -1]).unsqueeze(1)
         token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)

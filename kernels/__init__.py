@@ -30,6 +30,7 @@ __all__ = [
     "add_rms_norm",
     "rotary_qk",
     "silu_and_mul",
+    "sample_tokens",
 ]
 
 
@@ -74,6 +75,7 @@ if _IMPORT_ERROR is None:
     from kernels.prefill_attention import paged_prefill_attention
     from kernels.rms_norm import add_rms_norm, rms_norm
     from kernels.rotary import rotary_qk
+    from kernels.sampling import sample_tokens
     from kernels.store_kv import store_kv
 else:  # pragma: no cover
 
@@ -101,3 +103,4 @@ else:  # pragma: no cover
     add_rms_norm = _missing("add_rms_norm")
     rotary_qk = _missing("rotary_qk")
     silu_and_mul = _missing("silu_and_mul")
+    sample_tokens = _missing("sample_tokens")

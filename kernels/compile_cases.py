@@ -60,6 +60,10 @@ class Case:
     with ``NUM_KV_HEADS * gqa`` q heads, variant ``norm`` (Qwen3's per-head q/k norm fused
     in) or ``rope`` (id ``rotary_qk-sm_90-bf16-d128-hq16-hkv8-norm``). gqa and block_size
     do not apply to the first three, nor head_dim (all left out of their ids).
+
+    The sampler's fused temperature sampling (no tensor cores): ``sample_tokens``, variant
+    ``v<vocab>-n<rows>``, dtype the logits' (id ``sample_tokens-sm_90-fp32-v151936-n256``);
+    head_dim, gqa and block_size do not apply (left out of its id).
     """
 
     op: str
@@ -72,7 +76,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        if self.op.startswith("moe_") or self.op in _ROW_OPS:
+        if self.op.startswith("moe_") or self.op in _ROW_OPS or self.op in SAMPLING_OPS:
             return f"{self.op}-{self.arch}-{self.dtype}-{self.variant}"
         if self.op == "rotary_qk":
             return (f"{self.op}-{self.arch}-{self.dtype}-d{self.head_dim}"
@@ -130,6 +134,7 @@ class KernelResult:
 # Row-wise elementwise ops of the decoder layer: one (variant-named) shape per case.
 _ROW_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
 LAYER_OPS = (*_ROW_OPS, "rotary_qk")
+SAMPLING_OPS = ("sample_tokens",)
 
 _ATTN_OPS = ("decode", "decode_split", "prefill")
 
@@ -161,8 +166,9 @@ def moe_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
 def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     """The whole grid: head_dim 64/128/256 x GQA 1/4/8 x block size 16/32 x bf16/fp16/fp32
     for decode (unsplit and split) and prefill, plus the engine's other block sizes (8, 64)
-    at GQA 4; store_kv and the copy ops per dtype; the MoE cases (``moe_cases``) and the
-    decoder layer's elementwise ops (``layer_cases``)."""
+    at GQA 4; store_kv and the copy ops per dtype; the MoE cases (``moe_cases``), the
+    decoder layer's elementwise ops (``layer_cases``) and the sampler's kernel
+    (``sampling_cases``)."""
     shapes = [(gqa, bs) for gqa in (1, 4, 8) for bs in (16, 32)] + [(4, 8), (4, 64)]
     cases = []
     for arch in archs:
@@ -177,7 +183,7 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         for op, variant in itertools.product(("zero_states", "clone_states"),
                                              ("int64", "int32")):
             cases.append(Case(op, arch, "fp32", 128, 1, 16, variant))
-    return cases + moe_cases(archs) + layer_cases(archs)
+    return cases + moe_cases(archs) + layer_cases(archs) + sampling_cases(archs)
 
 
 # Decoder-layer shapes: one sequence's decode token (a row count of 1 is specialized by
@@ -208,14 +214,28 @@ def layer_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     return cases
 
 
+# Vocabularies of Qwen2.5/Qwen3 (151,936), SmolLM2 (49,152) and Llama 3 (128,256): the
+# sampler's logits rows; a decode batch of 256 rows.
+SAMPLING_VOCABS = (151_936, 49_152, 128_256)
+SAMPLING_ROWS = 256
+
+
+def sampling_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """The sampler's ``sample_tokens`` per vocabulary x logits dtype (fp32: what the
+    sampler passes today; bf16: a model's own logits, should it pass them uncast)."""
+    return [Case("sample_tokens", arch, dt, variant=f"v{v}-n{SAMPLING_ROWS}")
+            for arch, v, dt in itertools.product(archs, SAMPLING_VOCABS, ("fp32", "bf16"))]
+
+
 def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     """A representative subset for ``make test`` (about a minute on 2 cores, cold cache).
 
     Every tile configuration the launchers choose on each target: prefill (the kernel that
     spilled) at every head_dim x dtype, decode at every head_dim for 16-bit and fp32 (its
     tile depends on row bytes), split and unsplit; store_kv for one token and for a batch;
-    the copy kernel; the MoE tiles; each decoder-layer elementwise op once. GQA, block
-    size and fp16/bf16 rotate across the cases (the full grid covers every combination).
+    the copy kernel; the MoE tiles; each decoder-layer elementwise op once; the sampler's
+    kernel once. GQA, block size and fp16/bf16 rotate across the cases (the full grid
+    covers every combination).
     """
     shapes = itertools.cycle([(4, 16), (8, 32), (1, 16), (4, 32)])
     cases = []
@@ -248,6 +268,9 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         cases.append(Case("rms_norm", arch, "fp32", variant="h8192-t8192"))
         cases.append(Case("rotary_qk", arch, "bf16", 128, 2, variant="norm"))
         cases.append(Case("silu_and_mul", arch, "bf16", variant="i3072-t256"))
+        # The sampler's kernel on Qwen's vocabulary (fp32 logits, as the sampler passes).
+        cases.append(Case("sample_tokens", arch, "fp32",
+                          variant=f"v151936-n{SAMPLING_ROWS}"))
     return cases
 
 
@@ -274,6 +297,8 @@ def plan(case: Case) -> list[Launch]:
         return _plan_moe(case)
     if case.op in LAYER_OPS:
         return _plan_layer(case)
+    if case.op in SAMPLING_OPS:
+        return _plan_sampling(case)
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -388,3 +413,16 @@ def _plan_layer(case: Case) -> list[Launch]:
     return rms_norm_launches(
         x, torch.empty_like(x) if fused else None, _meta(h, dtype=dtype),
         torch.empty_like(x), torch.empty_like(x) if fused else None, 1e-6, target)
+
+
+def _plan_sampling(case: Case) -> list[Launch]:
+    """The sampler's call for ``case.variant`` (``v<vocab>-n<rows>``) via its planner:
+    contiguous ``[rows, vocab]`` logits, fp32 temperatures and uniforms."""
+    from kernels.sampling import sample_tokens_launches
+
+    vocab, rows = case.variant.removeprefix("v").split("-n")
+    v, n = int(vocab), int(rows)
+    f32 = torch.float32
+    return sample_tokens_launches(_meta(n, v, dtype=DTYPES[case.dtype]), _meta(n, dtype=f32),
+                                  _meta(n, dtype=f32), _meta(n, dtype=torch.int64),
+                                  ARCHS[case.arch].target())

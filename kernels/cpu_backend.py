@@ -52,6 +52,7 @@ from kernels.reference import (
     moe_route,
     rms_norm,
     rotary_qk,
+    sample_tokens,
     silu_and_mul,
     zero_states,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "add_rms_norm",
     "rotary_qk",
     "silu_and_mul",
+    "sample_tokens",
 ]
 
 # Gathered K+V bytes per decode chunk (fp32 K+V of SmolLM2-135M: ~2.7k tokens). Measured

@@ -227,6 +227,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# --- sampling -----------------------------------------------------------------------------
+
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
+                  uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``softmax(logits / temperature)`` by inverting the CDF at
+    ``uniforms`` (``[N]`` float32): the first token whose cumulative probability exceeds
+    ``uniform * total``. logits ``[N, V]`` (not modified) -> ``[N]`` int64. A token with
+    zero probability is never returned (should rounding land on one, the row's most
+    likely token instead)."""
+    probs = torch.softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    token_ids.clamp_(max=probs.shape[-1] - 1)
+    ok = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) > 0
+    return torch.where(ok, token_ids, probs.argmax(dim=-1))
+
+
 # --- mixture of experts ------------------------------------------------------------------
 
 def moe_route(

@@ -43,10 +43,11 @@
 #
 # Expected time on an H200 box (16 cores), estimated from CPU measurements (not yet timed
 # on the GPU); the caps in brackets:
-#   wheels ~5 s | env ~5 s | compile grid ~90-130 s (~1050 kernels), in the background
+#   wheels ~5 s | env ~5 s | compile grid ~90-130 s (~1060 kernels), in the background
 #   [300 s] | kernel tests ~60-100 s [180 s] | engine tests ~30-60 s [150 s] | kernel
-#   benchmarks ~60-100 s + MoE ~30-50 s + layer ops ~10 s [150 s] | e2e, two runs ~100-180 s [180 s] | structured ~30-50 s
-#   [80 s] | MoE sweep, what is left [150 s]  =>  about 5-8 minutes without the sweep;
+#   benchmarks ~60-100 s + MoE ~30-50 s + layer ops and sampling ~15 s [150 s] | e2e,
+#   two runs ~100-180 s [180 s] | structured ~30-50 s [80 s] | MoE sweep, what is left
+#   [150 s]  =>  about 5-8 minutes without the sweep;
 #   with GPU_CI_STEPS, tests in one call and benchmarks in the next.
 #
 # Does not assume the repo's venv: the GPU machine has torch + triton system-wide
@@ -230,7 +231,7 @@ step engine-tests 150 "$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_e
 
 step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" "$PY" -m pytest \
     "${BASE_OPTS[@]}" benchmarks/bench_kernels.py benchmarks/bench_moe.py \
-    benchmarks/bench_layer_ops.py -q -s
+    benchmarks/bench_layer_ops.py benchmarks/bench_sampling.py -q -s
 
 # Structured output's cost at batch 64: SmolLM2-135M's shapes, random weights (no model
 # can be downloaded there and the GGUF is too big to carry), SmolLM2's real tokenizer when
@@ -342,7 +343,7 @@ def bench_headline():
                 parts.append(f"{op} {g:.2f}x vs {base}")
     head = ("Triton speedup (baseline ms / Triton ms, geomean): " + ", ".join(parts)
             if parts else "no baseline ran")
-    return head + moe_headline() + layer_ops_headline()
+    return head + moe_headline() + layer_ops_headline() + sampling_headline()
 
 
 def moe_headline():
@@ -373,6 +374,16 @@ def layer_ops_headline():
     parts = [f"{r['speedup']:.1f}x at {r['tokens']} tokens ({r['bw_frac']:.0%} of copy bw)"
              for r in rows if r["op"] == "layer chain" and "speedup" in r]
     return ("; layer elementwise chain fused vs torch: " + ", ".join(parts)) if parts else ""
+
+
+def sampling_headline():
+    files = glob.glob(os.path.join(results, "sampling-*.json"))
+    if not files:
+        return ""
+    rows = json.load(open(files[0]))["results"]
+    parts = [f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}" for r in rows
+             if "speedup" in r]
+    return ("; temperature sampling fused vs torch: " + ", ".join(parts)) if parts else ""
 
 
 def compile_headline():

@@ -98,6 +98,8 @@ def test_summary_table_from_every_step(tmp_path):
          "speedup": 2.0, "bw_frac": 0.2},
         {"op": "layer chain", "tokens": 256, "torch_ms": 0.3, "fused_ms": 0.05,
          "speedup": 6.0, "bw_frac": 0.25}]}))
+    (results / "sampling-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
+        {"rows": 256, "vocab": 151936, "torch_ms": 0.5, "fused_ms": 0.1, "speedup": 5.0}]}))
     (tmp_path / ".gpu_assets").mkdir()
     (tmp_path / ".gpu_assets" / "commit").write_text("abc1234\n")
     res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
@@ -117,6 +119,7 @@ def test_summary_table_from_every_step(tmp_path):
             "M<=16") in rows["kernel-bench"]
     assert ("layer elementwise chain fused vs torch: 6.0x at 256 tokens (25% of copy bw)"
             in rows["kernel-bench"])
+    assert "temperature sampling fused vs torch: 5.0x at 256x151936" in rows["kernel-bench"]
     assert "constrained" in rows["structured"] and "valid JSON" in rows["structured"]
     assert "overlap on: 233 tok/s" in rows["e2e-throughput"]
     assert "configurations" in rows["moe-sweep"]

@@ -7,7 +7,7 @@ the MoE grouped GEMM) falling off the tensor cores. Launches are planned by the 
 
 ``make test`` compiles a representative subset (about a minute on 2 cores with a cold
 Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
-x op x target, ~1050 kernels with the MoE and decoder-layer ones) runs with
+x op x target, ~1060 kernels with the MoE, decoder-layer and sampling ones) runs with
 ``DEEPINFER_COMPILE_FULL=1``: ``make compile-check`` and scripts/gpu_ci.sh.
 ``DEEPINFER_COMPILE_JOBS`` sets its process count; ``DEEPINFER_COMPILE_OUT`` a folder for
 its table (markdown) and results (JSON).
@@ -61,8 +61,9 @@ def test_quick_subset_covers_the_axes() -> None:
             (wide, d) for wide in (False, True) for d in (64, 128, 256)}
         assert {c.op for c in decode if c.dtype == "fp32"} == {"decode", "decode_split"}
         assert {c.op for c in decode if c.dtype != "fp32"} == {"decode", "decode_split"}
-        # The decoder layer's elementwise ops, each compiled on each target.
+        # The decoder layer's elementwise ops and the sampler's, each on each target.
         assert set(cc_cases.LAYER_OPS) <= ops
+        assert set(cc_cases.SAMPLING_OPS) <= ops
 
 
 def test_case_ids_are_unique() -> None:
@@ -74,6 +75,8 @@ def test_case_ids_are_unique() -> None:
         "rms_norm-sm_90-bf16-h4096-t256")
     assert cc_cases.Case("rotary_qk", "sm_80", "fp16", 128, 2, variant="norm").id == (
         "rotary_qk-sm_80-fp16-d128-hq16-hkv8-norm")
+    assert cc_cases.Case("sample_tokens", "sm_90", "fp32", variant="v151936-n256").id == (
+        "sample_tokens-sm_90-fp32-v151936-n256")
 
 
 def test_layer_cases_cover_the_shapes() -> None:
@@ -90,6 +93,21 @@ def test_layer_cases_cover_the_shapes() -> None:
                                       ("rotary_qk", None, True)}
     assert {f[3] for f in flags if f[0] == "rms_norm"} == set(cc_cases.LAYER_HIDDEN)
     assert {f[4] for f in flags if f[0] == "rotary_qk"} == {32, 64, 128}
+
+
+def test_sampling_cases_cover_the_vocabularies() -> None:
+    """The full grid plans ``sample_tokens`` for each vocabulary x fp32/bf16 logits on each
+    target: one program per row, no tensor cores expected."""
+    cases = [c for c in cc_cases.full_cases() if c.op in cc_cases.SAMPLING_OPS]
+    assert {(c.arch, c.dtype, c.variant) for c in cases} == {
+        (a, dt, f"v{v}-n256") for a in cc_cases.ARCHS for dt in ("fp32", "bf16")
+        for v in (151_936, 49_152, 128_256)}
+    assert not any(c.wants_tensor_cores for c in cases)
+    for case in cases:
+        (launch,) = cc_cases.plan(case)
+        logits = launch.args[0]
+        assert launch.grid == (256,) and logits.dtype == cc_cases.DTYPES[case.dtype]
+        assert logits.shape[1] == int(case.variant[1:].split("-")[0])
 
 
 def test_planning_matches_the_case() -> None:

@@ -32,6 +32,7 @@ def _calls():
         lambda: kernels.rotary_qk(qp, k, rope, pos),
         lambda: kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
         lambda: kernels.silu_and_mul(x),
+        lambda: kernels.sample_tokens(x, w[:5].abs() + 0.5, w[5:10].abs() % 1),
         lambda: kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
         lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens),
