@@ -174,8 +174,11 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
         rows = spec.max_num_seqs
         with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(tokens, device=dev), cache, meta,
-                                self.backend)
+            # Positions wrap at max_model_len: the torch backend indexes the RoPE table
+            # with them (a device-side assert past its end), and the batch budget may
+            # exceed the model's length.
+            positions = torch.arange(tokens, device=dev) % spec.max_model_len
+            hidden = self.model(ids, positions, cache, meta, self.backend)
             picked = torch.arange(rows, device=dev) % tokens
             logits = self.model.compute_logits(hidden[picked])
             del hidden

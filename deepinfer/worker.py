@@ -101,6 +101,10 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     ``capture_graphs``: unless ``args.enforce_eager`` (a prompt-only engine never
     decodes and passes False)."""
     device = resolve_device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches, CUDA graph capture and the launch buffers' streams all use the
+        # current device: it must be the engine's (cuda:1 would otherwise run on cuda:0).
+        torch.cuda.set_device(device)
     backend = resolve_backend(args.attention_backend, device)
     path = resolve_model_path(args.model)
     group = tp.group if tp is not None else SINGLE
@@ -116,9 +120,12 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     dtype = next(model.parameters()).dtype
+    # Only the Triton ops are graph-safe: the torch reference's ops sync the host
+    # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
+    graphs = capture_graphs and not args.enforce_eager and backend.__name__ == "kernels"
     runner = ModelRunner(
         model, cfg, device=device, dtype=dtype, backend=backend, spec=spec,
-        capture_graphs=capture_graphs and not args.enforce_eager, tp=group,
+        capture_graphs=graphs, tp=group,
         channel=tp.channel if tp is not None else None,
     )
     return Worker(device, backend, path, model, cfg, dtype, max_len, spec, runner)

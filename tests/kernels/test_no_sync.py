@@ -22,17 +22,21 @@ def _calls():
     cache = randn((2, 2, 8, 16, 2, 64), torch.float32, g)
     pairs = torch.tensor([[0, 5], [1, 6]], device=DEVICE)
     states = [randn((4, 3), torch.float32, g)]
+    # Inputs made here, not in the calls: torch.tensor(list, device="cuda") is itself a
+    # blocking copy, which the sync-debug mode below would rightly reject.
+    clone_pairs = torch.tensor([[1, 2]], device=DEVICE)
     x, w = randn((5, 96), torch.float32, g), randn((96,), torch.float32, g)
     rope = randn((32, 64), torch.float32, g)
     pos = torch.tensor([0, 3, 31, 7, 2], device=DEVICE)
     norm_w = randn((64,), torch.float32, g)
+    temps, uniforms = w[:5].abs() + 0.5, w[5:10].abs() % 1
     return [
         lambda: kernels.rms_norm(x, w, 1e-6),
         lambda: kernels.add_rms_norm(x, x, w, 1e-6),
         lambda: kernels.rotary_qk(qp, k, rope, pos),
         lambda: kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
         lambda: kernels.silu_and_mul(x),
-        lambda: kernels.sample_tokens(x, w[:5].abs() + 0.5, w[5:10].abs() % 1),
+        lambda: kernels.sample_tokens(x, temps, uniforms),
         lambda: kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
         lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens),
@@ -42,7 +46,7 @@ def _calls():
                                                 qsl, kv.seq_lens),
         lambda: kernels.clone_blocks(cache, pairs),
         lambda: kernels.zero_states(states, pairs[:, 0]),
-        lambda: kernels.clone_states(states, torch.tensor([[1, 2]], device=DEVICE)),
+        lambda: kernels.clone_states(states, clone_pairs),
     ]
 
 
