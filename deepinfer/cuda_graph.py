@@ -56,7 +56,13 @@ class DecodeGraphRunner:
         )
 
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool.
+        Under ``no_grad``: a parameter that required grad would otherwise record autograd
+        state into the captured forward."""
+        with torch.no_grad():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         for bs in reversed(self.sizes):
             meta = self._meta(bs)
             args = (self.input_ids[:bs], self.positions[:bs], meta)

@@ -103,6 +103,7 @@ class ModelRunner:
             self._host_ids = [torch.empty(spec.max_num_seqs, dtype=torch.int64,
                                           pin_memory=True) for _ in range(2)]
         self._host_index = 0
+        self._captures_graphs = device.type == "cuda" and capture_graphs
         error: Exception | None = None
         if num_blocks is None:
             try:
@@ -123,7 +124,7 @@ class ModelRunner:
             device=device
         )
         self.graphs: DecodeGraphRunner | None = None
-        if device.type == "cuda" and capture_graphs:
+        if self._captures_graphs:
             self.graphs = DecodeGraphRunner(
                 self._forward, device, max_num_seqs=spec.max_num_seqs,
                 max_blocks_per_seq=-(-spec.max_model_len // spec.block_size),
@@ -196,7 +197,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         # Decode graphs run at most max_num_seqs tokens: their pool holds about that
         # share of the prompt forward's activations, plus cuBLAS workspaces.
-        graph_pool = peak * min(1.0, rows / tokens) + (64 << 20)
+        graph_pool = (peak * min(1.0, rows / tokens) + (64 << 20)
+                      if self._captures_graphs else 0)
         free, total = torch.cuda.mem_get_info(dev)
         used = total - free  # weights, per-slot state, other processes, the CUDA context
         return int(total * spec.gpu_memory_utilization - used - peak - graph_pool)
