@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from results_meta import git_commit, utc_now
+from results_meta import git_commit, table_lines, utc_now
 
 import kernels
 from kernels import reference
@@ -352,10 +352,8 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
              f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, "
              f"triton {meta['triton']}, dtype {meta['dtype']}, "
              f"heads {meta['heads']}, block {meta['block_size']}", "",
-             "triton_speedup = baseline ms / triton ms (> 1: Triton faster).", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+             "triton_speedup = baseline ms / triton ms (> 1: Triton faster).", ""]
+    lines += table_lines(cols, rows)
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from bench_moe import IS_CUDA, cli, copy_bandwidth, out_dir, time_ms, write  # noqa: E402
-from results_meta import git_commit, utc_now  # noqa: E402
+from results_meta import git_commit, header_lines, table_lines, utc_now  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -133,16 +133,13 @@ def run(tokens: tuple[int, ...] = TOKENS) -> tuple[dict, list[dict]]:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     cols = ["op", "tokens", "torch_ms", "fused_ms", "speedup", "fused_GBps", "bw_frac"]
-    lines = [f"# Decoder-layer elementwise ops: {meta['device']}", "",
-             f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton "
-             f"{meta['triton']}, dtype {meta['dtype']}, shape {meta['shape']}.", "",
-             "torch = the unfused torch ops (kernels.reference); fused = the Triton kernels; "
+    lines = header_lines("Decoder-layer elementwise ops", meta,
+                         f"dtype {meta['dtype']}, shape {meta['shape']}")
+    lines += ["torch = the unfused torch ops (kernels.reference); fused = the Triton kernels; "
              "speedup = torch ms / fused ms; bw_frac = the fused op's minimum bytes / time / "
              f"copy bandwidth ({meta['copy_GB/s']} GB/s)."
-             + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+             + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), ""]
+    lines += table_lines(cols, rows)
     return "\n".join(lines) + "\n"
 
 

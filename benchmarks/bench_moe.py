@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
-from results_meta import git_commit, utc_now  # noqa: E402
+from results_meta import git_commit, table_lines, utc_now  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -180,10 +180,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['triton']}, dtype {meta['dtype']}; shapes: {shapes}.", "",
              f"Timed fused path: {meta['timed_fused']}. bw_frac = weight bytes of the "
              f"touched experts / time / measured copy bandwidth ({meta['copy_GB/s']} GB/s); "
-             "decode sizes only. speedup_of_X = this row's ms / X's ms.", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+             "decode sizes only. speedup_of_X = this row's ms / X's ms.", ""]
+    lines += table_lines(cols, rows)
     return "\n".join(lines) + "\n"
 
 

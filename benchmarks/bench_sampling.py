@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 
 from bench_moe import IS_CUDA, cli, copy_bandwidth, out_dir, time_ms, write  # noqa: E402
-from results_meta import git_commit, utc_now  # noqa: E402
+from results_meta import git_commit, header_lines, table_lines, utc_now  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -75,16 +75,12 @@ def run() -> tuple[dict, list[dict]]:
 def markdown(meta: dict, rows: list[dict]) -> str:
     cols = ["rows", "vocab", "torch_ms", "fused_ms", "speedup", "fused_GBps", "bw_frac",
             "rows_differing"]
-    lines = [f"# Temperature sampling: {meta['device']}", "",
-             f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton "
-             f"{meta['triton']}, fp32 logits.", "",
-             "torch = kernels.reference.sample_tokens (the sampler's former torch ops); "
+    lines = header_lines("Temperature sampling", meta, "fp32 logits")
+    lines += ["torch = kernels.reference.sample_tokens (the sampler's former torch ops); "
              "fused = the Triton draw; speedup = torch ms / fused ms; bw_frac = two reads "
              f"of the logits / time / copy bandwidth ({meta['copy_GB/s']} GB/s)."
-             + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+             + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), ""]
+    lines += table_lines(cols, rows)
     return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,9 @@ One ``Sampler.sample`` call turns the logits of every sample of a step into toke
 3. banned ids (EOS / stop ids of samples still under ``min_tokens``) -> -inf;
 4. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then one
    uniform per row inverted through the row's cumulative distribution, an exact draw
-   from ``p``. Seeded rows take their uniform from ``sampling_table.seeded_uniforms``
-   (host, counter-based), the others from one batched ``torch.rand``.
+   from ``p`` (the ops' ``sample_tokens``: one fused kernel on a GPU). Seeded rows take
+   their uniform from ``sampling_table.seeded_uniforms`` (host, counter-based), the
+   others from one batched ``torch.rand``.
 
 Everything is batched: no per-row launches, no host sync. Penalty state lives in
 state-slot tensors owned by the engine (``make_state``); the engine zeroes a new
@@ -151,9 +152,10 @@ class Sampler:
     """Sampling logic. The per-slot penalty state is passed to ``sample`` by the caller
     (the model runner owns it, so ``zero_states``/``clone_states`` maintain it).
 
-    ``ops``: the kernel provider whose ``sample_tokens`` draws the rows that only scale by
-    a temperature (no top-k/top-p/min-p: the common case) in one fused pass on a GPU;
-    default ``kernels.reference`` (torch)."""
+    ``ops``: the kernel provider whose ``sample_tokens`` draws every sampled row (one
+    fused kernel on a GPU): from the logits as they are when a row only scales by a
+    temperature, after the torch filters when top-k/top-p/min-p are on; default
+    ``kernels.reference`` (torch)."""
 
     def __init__(self, ops: Any = None) -> None:
         self.ops = reference if ops is None else ops
@@ -290,18 +292,12 @@ class Sampler:
             _top_k_top_p_sorted(logits, st.top_k if st.do_top_k else None, st.top_p)
         elif st.do_top_k:
             _top_k(logits, st.top_k, st.max_top_k)
-        probs = torch.softmax(logits, dim=-1)
         if st.do_min_p:
-            top = probs.amax(dim=-1, keepdim=True)
-            probs.masked_fill_(probs < st.min_p.unsqueeze(1) * top, 0.0)
-        cdf = probs.cumsum(dim=-1)
-        target = (uniform * cdf[:, -1]).unsqueeze(1)
-        token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        token_ids.clamp_(max=probs.shape[-1] - 1)
-        # Rounding in the scan can only ever land on a zero-probability token at the very
-        # edge of the support; such a row takes its most likely token instead.
-        ok = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) > 0
-        return torch.where(ok, token_ids, probs.argmax(dim=-1))
+            # p_i < min_p * p_max  <=>  logit_i - max logit < log(min_p): no softmax here.
+            top = logits.amax(dim=-1, keepdim=True)
+            logits.masked_fill_(logits - top < st.min_p.log().unsqueeze(1), float("-inf"))
+        # Already scaled by the temperature: the draw itself divides by one.
+        return self.ops.sample_tokens(logits, torch.ones_like(uniform), uniform)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,

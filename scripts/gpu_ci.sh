@@ -366,24 +366,28 @@ def moe_headline():
     return ("; MoE: " + ", ".join(parts)) if parts else ""
 
 
-def layer_ops_headline():
-    files = glob.glob(os.path.join(results, "layer-ops-*.json"))
+def fused_headline(prefix, label, describe):
+    """'; <label>: <describe(row)>, ...' over the rows of <prefix>-*.json that were timed
+    fused (only a GPU run times the Triton side)."""
+    files = glob.glob(os.path.join(results, prefix + "-*.json"))
     if not files:
         return ""
-    rows = json.load(open(files[0]))["results"]
-    parts = [f"{r['speedup']:.1f}x at {r['tokens']} tokens ({r['bw_frac']:.0%} of copy bw)"
-             for r in rows if r["op"] == "layer chain" and "speedup" in r]
-    return ("; layer elementwise chain fused vs torch: " + ", ".join(parts)) if parts else ""
+    rows = [r for r in json.load(open(files[0]))["results"] if "speedup" in r]
+    parts = [describe(r) for r in rows]
+    parts = [p for p in parts if p]
+    return (f"; {label}: " + ", ".join(parts)) if parts else ""
+
+
+def layer_ops_headline():
+    return fused_headline(
+        "layer-ops", "layer elementwise chain fused vs torch",
+        lambda r: (f"{r['speedup']:.1f}x at {r['tokens']} tokens ({r['bw_frac']:.0%} of "
+                   "copy bw)") if r["op"] == "layer chain" else "")
 
 
 def sampling_headline():
-    files = glob.glob(os.path.join(results, "sampling-*.json"))
-    if not files:
-        return ""
-    rows = json.load(open(files[0]))["results"]
-    parts = [f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}" for r in rows
-             if "speedup" in r]
-    return ("; temperature sampling fused vs torch: " + ", ".join(parts)) if parts else ""
+    return fused_headline("sampling", "temperature sampling fused vs torch",
+                          lambda r: f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}")
 
 
 def compile_headline():

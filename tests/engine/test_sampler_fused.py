@@ -1,7 +1,8 @@
-"""The sampler's fused path: rows that only scale by a temperature (no top-k/top-p/min-p)
-are drawn by its ops' ``sample_tokens`` (here the Triton kernel, through the interpreter on
-a CPU machine); a batch with a filter goes through the torch path. Either way the ids are
-the torch sampler's (``Sampler()``: ``kernels.reference``) for the same uniforms."""
+"""The sampler's draw: rows are drawn by its ops' ``sample_tokens`` (here the Triton
+kernel, through the interpreter on a CPU machine): straight from the logits when they only
+scale by a temperature, after the torch filters when top-k/top-p/min-p are on. Either way
+the ids are the torch sampler's (``Sampler()``: ``kernels.reference``) for the same
+uniforms."""
 
 from __future__ import annotations
 
@@ -79,12 +80,20 @@ def test_bf16_logits_and_banned_tokens_take_the_fused_path():
     assert not (fused == 2).any()
 
 
-def test_top_p_batch_goes_through_the_torch_path():
+def test_filtered_batch_filters_in_torch_then_draws_with_the_ops():
+    """top-p (and min-p) filter the scaled logits in torch; the draw is still the ops'
+    one (temperature 1 then), with the torch sampler's ids."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, V, generator=g) * 3
     st = SamplingTensors.from_params(params(top_p=0.8), V, "cpu")
     assert st.do_top_p
     ops = CountingOps()
     fused, ref = sample_both(logits, st, ops)
-    assert ops.calls == 0
+    assert ops.calls == 1
+    assert torch.equal(fused, ref)
+    with_min_p = [SP(temperature=p.temperature, top_p=p.top_p, min_p=0.1, seed=p.seed)
+                  for p in params(top_p=0.8)]
+    st = SamplingTensors.from_params(with_min_p, V, "cpu")
+    fused, ref = sample_both(logits, st, ops)
+    assert ops.calls == 2
     assert torch.equal(fused, ref)
