@@ -64,6 +64,12 @@ if [ -z "$OUT" ]; then
          "(or pass it as the first argument)" >&2
     exit 2
 fi
+# Results files stamp $GIT_COMMIT where there is no .git (the device machine): the commit
+# gpu_prepare.sh recorded, marked "+changed" when this tree is no longer the one it saw.
+if [ -z "${GIT_COMMIT:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1; then
+    GIT_COMMIT=$("$PY" scripts/tree_fingerprint.py label 2>/dev/null || echo unknown)
+    export GIT_COMMIT
+fi
 WORK="${GPU_CI_WORK:-$OUT}"
 mkdir -p "$OUT" "$WORK/logs" "$WORK/results" \
     || { echo "gpu_ci.sh: cannot create $OUT or $WORK" >&2; exit 2; }
@@ -464,11 +470,8 @@ try:
                             text=True, timeout=10).stdout.strip()
 except Exception:
     commit = ""
-if not commit:  # the device machine gets the tree without .git: gpu_prepare.sh wrote it
-    try:
-        commit = open(os.path.join(".gpu_assets", "commit")).read().strip()
-    except OSError:
-        commit = "unknown"
+if not commit:  # the device machine gets the tree without .git: gpu_prepare.sh's record
+    commit = os.environ.get("GIT_COMMIT", "unknown")
 date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 total = int(os.environ.get("GPU_CI_SECONDS", "0"))
 lines = [f"# GPU CI: {env['gpu']}", "",

@@ -55,9 +55,9 @@ path = ".gpu_assets/smollm2-tokenizer"
 load_tokenizer(default_model_path()).save_pretrained(path)
 print(f"tokenizer: {path}")
 PYEOF
-commit=$(git rev-parse --short HEAD)
-git diff --quiet HEAD || commit="$commit+uncommitted"
-echo "$commit" > .gpu_assets/commit
+# The commit, the tracked files and a digest of them: gpu_ci.sh checks the device's tree
+# against it (no .git travels), so results are never stamped with a commit they missed.
+commit=$("$PY" scripts/tree_fingerprint.py record) || exit 1
 echo "commit: $commit"
 echo "carry: $(du -shc .whl .gpu_assets | tail -1 | cut -f1) (the device tool carries 64 MiB" \
      "with the working tree)"

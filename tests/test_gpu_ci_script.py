@@ -100,12 +100,11 @@ def test_summary_table_from_every_step(tmp_path):
          "speedup": 6.0, "bw_frac": 0.25}]}))
     (results / "sampling-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
         {"rows": 256, "vocab": 151936, "torch_ms": 0.5, "fused_ms": 0.1, "speedup": 5.0}]}))
-    (tmp_path / ".gpu_assets").mkdir()
-    (tmp_path / ".gpu_assets" / "commit").write_text("abc1234\n")
+    # No .git here, as on the device: gpu_ci.sh exports the recorded commit label.
     res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60,
                          env={"WORK": str(work), "GPU_CI_SECONDS": "42", "BUDGET": "560",
-                              "PATH": "/usr/bin:/bin"})
+                              "GIT_COMMIT": "abc1234", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr
     md = (work / "summary.md").read_text()
     assert md == (results / "gpu-ci-nvidia-h200.md").read_text()
