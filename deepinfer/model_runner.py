@@ -83,7 +83,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
-        self.sampler = Sampler(backend)
+        # The Triton draw on a GPU; on a CPU (the interpreter) the torch one is 50x faster.
+        self.sampler = Sampler(backend if device.type == "cuda" else None)
         # A follower never samples: one row keeps the shapes valid.
         self.states = Sampler.make_state(spec.max_num_seqs if tp.leader else 1,
                                          cfg.vocab_size, device)

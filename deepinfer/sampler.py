@@ -248,11 +248,12 @@ class Sampler:
         if st.all_greedy:
             token_ids = argmax_rows(logits)
         else:
+            # Greedy rows' argmax before the filters, which may drop one of several tied
+            # top tokens (top-p's sort order), changing which index argmax returns.
+            greedy_ids = argmax_rows(logits) if st.any_greedy else None
             token_ids = self._sample_random(logits, st)
-            if st.any_greedy:
-                # The filters keep each row's top token, so the argmax of the filtered
-                # logits equals the argmax of the penalized ones.
-                token_ids = torch.where(st.greedy, argmax_rows(logits), token_ids)
+            if greedy_ids is not None:
+                token_ids = torch.where(st.greedy, greedy_ids, token_ids)
 
         logprobs = None
         if raw_logprobs is not None:

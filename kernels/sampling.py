@@ -35,8 +35,7 @@ def _sample_tokens_kernel(
     s = tl.full((), 0.0, tl.float32)
     arg = tl.full((), 0, tl.int32)
     for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < vocab, other=neg_inf).to(tl.float32) / t
+        x = _scaled_logits(base, start + offs, vocab, t)
         cm = tl.max(x, 0)
         ci = tl.argmax(x, 0).to(tl.int32) + start
         new_m = tl.maximum(m, cm)
@@ -49,26 +48,39 @@ def _sample_tokens_kernel(
 
     # Pass 2: the first token with nonzero probability whose cumulative mass passes
     # u * s. A zero is never drawn, even where the scan's rounding would let it pass.
-    target = u * s
+    found, total = _scan(base, offs, vocab, t, m, u * s, BLOCK)
+    if found == vocab:
+        # The scan's own total rounded below pass 1's s, and u * s (u near 1) lies past
+        # it. Scan again against u * total: the same sums, so a token is found. Rare.
+        found, total = _scan(base, offs, vocab, t, m, u * total, BLOCK)
+    # Only a row of NaN / +inf finds nothing: its most likely token, kept in range.
+    tok = tl.minimum(tl.where(found < vocab, found, arg), vocab - 1)
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit
+def _scaled_logits(base, idx, vocab, t):
+    """A block of ``logits / t`` in fp32; -inf past the end and for NaN (never drawn)."""
+    x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+    return tl.where((x == x) & (idx < vocab), x, float("-inf"))
+
+
+@triton.jit
+def _scan(base, offs, vocab, t, m, target, BLOCK: tl.constexpr):
+    """(first index with nonzero ``exp(x - m)`` whose running sum passes ``target``, or
+    ``vocab``; the running sum's total)."""
     c = tl.full((), 0.0, tl.float32)
     found = tl.full((), vocab, tl.int32)
-    last_nz = tl.full((), -1, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        e = tl.where(idx < vocab, tl.load(base + idx, mask=idx < vocab, other=neg_inf)
-                     .to(tl.float32) / t, neg_inf)
-        e = tl.where(e == neg_inf, 0.0, tl.exp(e - m))
+        x = _scaled_logits(base, idx, vocab, t)
+        e = tl.where(x == float("-inf"), 0.0, tl.exp(x - m))
         cs = tl.cumsum(e, 0) + c
-        nz = e > 0
-        found = tl.minimum(found, tl.min(tl.where((cs > target) & nz, idx, vocab), 0))
-        last_nz = tl.maximum(last_nz, tl.max(tl.where(nz, idx, -1), 0))
+        found = tl.minimum(found, tl.min(tl.where((cs > target) & (e > 0), idx, vocab), 0))
         # Carry the scan's own largest value (not c + sum(e), which may round above it),
         # so the next block's values never start below this one's.
         c = tl.max(cs, 0)
-    # This scan's total can round a few ulps below pass 1's s, leaving u * s unreached
-    # for u near 1: the exact inverse CDF then gives the last token that can be drawn.
-    tok = tl.where(found < vocab, found, tl.where(last_nz >= 0, last_nz, arg))
-    tl.store(out_ptr + row, tok.to(tl.int64))
+    return found, c
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,

@@ -25,7 +25,10 @@ class DPVoter:
                 # the result syncs that stream: on the compute stream every vote would
                 # wait for the step in flight (no overlap). Its own stream has no work.
                 self._stream = torch.cuda.Stream(device=dev)
-            self._buf = torch.zeros(1, dtype=torch.int64, device=dev)
+                with torch.cuda.stream(self._stream):  # ordered with the votes' fills
+                    self._buf = torch.zeros(1, dtype=torch.int64, device=dev)
+            else:
+                self._buf = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def allreduce_min(self, value: int) -> int:
         if self._buf is None:

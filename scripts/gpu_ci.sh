@@ -336,6 +336,11 @@ def geomean(xs):
 
 
 def bench_headline():
+    return (attention_headline() + moe_headline() + layer_ops_headline()
+            + sampling_headline()).lstrip("; ")
+
+
+def attention_headline():
     files = [f for f in glob.glob(os.path.join(results, "kernels-*.json"))]
     if not files:
         return ""
@@ -347,9 +352,8 @@ def bench_headline():
                          if r["op"] == op and r["impl"] == base])
             if g:
                 parts.append(f"{op} {g:.2f}x vs {base}")
-    head = ("Triton speedup (baseline ms / Triton ms, geomean): " + ", ".join(parts)
+    return ("Triton speedup (baseline ms / Triton ms, geomean): " + ", ".join(parts)
             if parts else "no baseline ran")
-    return head + moe_headline() + layer_ops_headline() + sampling_headline()
 
 
 def moe_headline():

@@ -3,8 +3,9 @@
 ``scripts/gpu_prepare.sh`` records the commit, the tracked files and a SHA-256 over their
 paths and contents in ``.gpu_assets/``; ``scripts/gpu_ci.sh`` recomputes the digest over
 the same files on the device. A tree changed since (a commit made after gpu_prepare.sh
-ran, an edit) gets a commit label that says so, instead of results stamped with a commit
-they did not measure.
+ran, an edit, a deleted file) gets a commit label that says so, instead of results
+stamped with a commit they did not measure. A file added since is not seen (the device
+has no list of the files git tracks), so run gpu_prepare.sh after the last commit.
 
     python scripts/tree_fingerprint.py record   # gpu_prepare.sh: writes .gpu_assets/
     python scripts/tree_fingerprint.py label    # gpu_ci.sh: prints the commit label

@@ -259,6 +259,27 @@ def test_u_just_below_one_banned_tail():
                            f"{int(last_drawable[0])}")
 
 
+def test_near_one_draws_no_extra_mass_onto_the_last_token():
+    """u a hair below 1 with a last token of negligible probability (a reserved id): the
+    draw is the float64 inverse CDF's, never the last token. (The scan's total can round
+    below the first pass's normaliser; a draw past it once fell back to the last token,
+    giving it ~1e-7 of the mass, far more than its own.)"""
+    g = generator(seed_for("sample_tokens_near_one_tail"))
+    rows, vocab = 4, 40000  # several interpreter blocks: sums in another order per pass
+    logits = randn((rows, vocab), F32, g) * 3
+    logits[:, -1] = -40.0  # p ~ 1e-19: drawable, but ~never
+    temps = torch.ones(rows, device=DEVICE)
+    u = torch.tensor([1 - 2**-20, 1 - 2**-21, 1 - 2**-22, 1 - 2**-23], device=DEVICE)
+    got = sample(logits, temps, u)
+    assert (got != vocab - 1).all(), got.tolist()
+    p = torch.softmax(logits.double(), dim=-1)
+    cdf = p.cumsum(dim=-1)
+    exact = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)
+    # Within a token or two of the exact answer: fp32 sums of 40k terms differ by ~1e-7.
+    assert ((got - exact.squeeze(1)).abs() <= 2).all(), (got.tolist(), exact.tolist())
+    assert valid_draws(logits, temps, u, got).all()
+
+
 # --- degenerate rows -------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # x / 0, 0 / 0 in the interpreter
