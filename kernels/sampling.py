@@ -117,8 +117,9 @@ def sample_tokens_launches(logits: torch.Tensor, temperatures: torch.Tensor,
     of shapes, strides, dtypes and ``target``)."""
     n, vocab = logits.shape
     # 4K-element blocks: 38 iterations a pass at a 152k vocabulary; the interpreter
-    # prefers fewer, larger blocks.
+    # prefers fewer, larger blocks. 16 warps: 8 values a thread per block (with 8 warps
+    # sm_90 fp32 left an 8-byte stack frame under Triton 3.9; 2K blocks did at others).
     block = 16384 if target.interpret else 4096
     return [Launch(_sample_tokens_kernel, (n,), (
         logits, temperatures, uniforms, out, vocab, logits.stride(0),
-    ), dict(BLOCK=block, num_warps=8))]
+    ), dict(BLOCK=block, num_warps=16))]
