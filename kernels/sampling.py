@@ -86,14 +86,13 @@ def _scan(base, offs, vocab, t, m, target, BLOCK: tl.constexpr):
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
                   uniforms: torch.Tensor) -> torch.Tensor:
     """One draw per row from ``softmax(logits / temperature)``: the first token with
-    nonzero probability whose cumulative probability exceeds ``uniform * total`` (where
-    the scan rounds short of that target, u near 1, the last token that can be drawn).
+    nonzero probability whose cumulative probability exceeds ``uniform * total``.
 
-    logits: ``[N, V]`` float (fp32/fp16/bf16; -inf marks tokens that cannot be drawn),
-    unit stride in the last dim; not modified. temperatures, uniforms: ``[N]`` float32
-    (uniforms in ``[0, 1)``). Returns ``[N]`` int64 token ids. A row whose temperature is
-    zero or whose logits are NaN gets some id in ``[0, V)`` (the caller replaces greedy
-    rows).
+    logits: ``[N, V]`` float (fp32/fp16/bf16; -inf marks tokens that cannot be drawn, NaN
+    too), unit stride in the last dim; not modified. temperatures, uniforms: ``[N]``
+    float32 (uniforms in ``[0, 1)``). Returns ``[N]`` int64 token ids. A row whose
+    temperature is zero, or with no finite logit, gets some id in ``[0, V)`` (the caller
+    replaces greedy rows).
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_runnable_device("logits", logits)
