@@ -159,14 +159,6 @@ class Sampler:
 
     def __init__(self, ops: Any = None) -> None:
         self.ops = reference if ops is None else ops
-        self._neg_infs: dict[torch.device, torch.Tensor] = {}
-
-    def _neg_inf(self, device: torch.device) -> torch.Tensor:
-        """A 0-dim float32 -inf on ``device``, made once (a fill kernel, no copy)."""
-        t = self._neg_infs.get(device)
-        if t is None:
-            t = self._neg_infs[device] = torch.full((), float("-inf"), device=device)
-        return t
 
     @staticmethod
     def make_state(max_num_seqs: int, vocab_size: int,
@@ -241,9 +233,10 @@ class Sampler:
                 raise ValueError("sample: penalties requested but no sampler state given")
             self._apply_penalties(logits, sample_slots, states, st)
         if st.banned_rows is not None:
-            # The value as a device tensor: a Python scalar becomes a CPU tensor that
-            # index_put_ copies to the device with a blocking copy (a stream sync).
-            logits.index_put_((st.banned_rows, st.banned_cols), self._neg_inf(logits.device))
+            # The value made on the device (a fill kernel): a Python scalar becomes a CPU
+            # tensor that index_put_ copies over with a blocking copy (a stream sync).
+            logits.index_put_((st.banned_rows, st.banned_cols),
+                              logits.new_full((), float("-inf")))
 
         if st.all_greedy:
             token_ids = argmax_rows(logits)

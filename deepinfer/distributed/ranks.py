@@ -10,7 +10,6 @@ this machine (``spawn_ranks``); under ``torchrun`` every process is already a ra
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import gc
 import os
 import pickle
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.jobs.parts import merge_outputs, part_path
+from scheduler.dp import host_collective_stream
 
 # Exit status of a run in which a rank died or a collective failed (1: records failed).
 EXIT_RANK_FAILED = 3
@@ -137,25 +137,13 @@ def allreduce_ints(values: list[int], device: torch.device,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, group: Any = None) -> list[int]:
     """All-reduce a short list of ints over ``group`` (None: the default group).
 
-    On CUDA it runs on a stream of its own: the copy in, the collective and the read
-    back each wait for the stream they are issued on, and on the compute stream that
-    would be the whole step in flight (a per-step call would end overlapped scheduling)."""
-    if device.type != "cuda":
-        return _allreduce(values, device, op, group)
-    with torch.cuda.stream(_side_stream(device)):
-        return _allreduce(values, device, op, group)
-
-
-def _allreduce(values: list[int], device: torch.device, op: dist.ReduceOp,
-               group: Any) -> list[int]:
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=op, group=group)
-    return t.tolist()
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device)
+    On CUDA on the collectives' own stream (``scheduler.dp.host_collective_stream``): the
+    copy in, the collective and the read back would otherwise wait for the step in
+    flight, and a per-step call would end overlapped scheduling."""
+    with host_collective_stream(device):
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=op, group=group)
+        return t.tolist()
 
 
 def run_in_group(info: RankInfo, device: str, timeout_s: float,
