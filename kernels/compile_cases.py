@@ -263,7 +263,7 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
             cases.append(Case("moe_align", arch, "fp32", variant="qwen3-m4096"))
             cases.append(Case("moe_route", arch, "bf16", variant="qwen3-m4096"))
         # Decoder-layer elementwise ops, one each: the fused add + norm of a decode batch,
-        # the widest norm row (8 warps) in fp32, Qwen3's norm + rotary, the MLP activation.
+        # the widest norm row (16 warps) in fp32, Qwen3's norm + rotary, the MLP activation.
         cases.append(Case("add_rms_norm", arch, "bf16", variant="h4096-t256"))
         cases.append(Case("rms_norm", arch, "fp32", variant="h8192-t8192"))
         cases.append(Case("rotary_qk", arch, "bf16", 128, 2, variant="norm"))
