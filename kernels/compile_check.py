@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated: sm_90,sm_80")
     parser.add_argument("--cases", help="JSON list of Case fields (overrides --full/--arch)")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
-    parser.add_argument("--json", help="write {cases, results} here")
+    parser.add_argument("--json", help="write {triton, cases, results, seconds} here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--quiet", action="store_true", help="no table on stdout")
     args = parser.parse_args(argv)
@@ -269,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = {k: v for k, v in verdicts(cases, results).items() if v}
     table = markdown_table(cases, results)
     if args.json:
+        import triton
+
         Path(args.json).write_text(json.dumps({
+            "triton": triton.__version__,
             "cases": [dataclasses.asdict(c) for c in cases],
             "results": [dataclasses.asdict(r) for r in results],
             "seconds": elapsed,

@@ -10,8 +10,8 @@
 #                  random-weight model; commit: the commit under test (no .git travels)
 #
 # Both folders are git-ignored. Then run scripts/gpu_ci.sh with the device tool as its
-# header says (carry=[".whl", ".gpu_assets"]; two calls, tests then benchmarks) and unpack
-# each $OUT/gpu-ci.tar.gz (logs/, results/): results/* go to benchmarks/results/.
+# header says (carry=[".whl", ".gpu_assets"]; one call, tests then benchmarks) and unpack
+# $OUT/gpu-ci.tar.gz (logs/, results/): results/* go to benchmarks/results/.
 #
 #   scripts/gpu_prepare.sh            # PYTHON=... to use another interpreter than the venv's
 set -euo pipefail

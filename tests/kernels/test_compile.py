@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kernels import compile_cases as cc_cases  # noqa: E402
 from kernels import compile_check as cc  # noqa: E402
+from kernels import compile_report as cr  # noqa: E402
 
 QUICK = cc_cases.quick_cases()
 FULL_ENABLED = os.environ.get("DEEPINFER_COMPILE_FULL", "") not in ("", "0")
@@ -36,10 +37,14 @@ def _jobs(default: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def quick_verdicts() -> dict[str, list[str]]:
-    results = cc.results_from_subprocess(QUICK, jobs=_jobs(min(2, os.cpu_count() or 1)),
-                                         timeout=900)
-    return cc.verdicts(QUICK, results)
+def quick_results() -> list[cc_cases.KernelResult]:
+    return cc.results_from_subprocess(QUICK, jobs=_jobs(min(2, os.cpu_count() or 1)),
+                                      timeout=900)
+
+
+@pytest.fixture(scope="module")
+def quick_verdicts(quick_results) -> dict[str, list[str]]:
+    return cc.verdicts(QUICK, quick_results)
 
 
 @pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
@@ -185,7 +190,43 @@ def test_full_grid() -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "compile-check.md").write_text(cc.markdown_table(cases, results) + "\n")
         Path(out, "compile-check.json").write_text(json.dumps({
+            "triton": triton.__version__, "cases": [dataclasses.asdict(c) for c in cases],
             "results": [dataclasses.asdict(r) for r in results], "failing": failing,
         }, indent=1))
     assert any("spills" in p for p in canary_problems), "the spill canary did not spill"
     assert not failing, "\n".join(f"{k}: {p}" for k, v in failing.items() for p in v)
+
+
+def test_summary_table_folds_the_grid(quick_results) -> None:
+    """``compile_report`` gives one row per (kernel, dtype class, config) with the register
+    range over its cases for each run; a spill where the engine serves the dtype is bold
+    and named below the table, fp32 on sm_80 is not."""
+    run = cr.CompileRun(triton.__version__, QUICK, quick_results)
+    by_id = {c.id: c for c in QUICK}
+    table = cr.summary_table([run])
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    keys = {(r.kernel, "fp32" if by_id[r.case].dtype == "fp32" else "16-bit", r.config or "-")
+            for r in quick_results}
+    assert len(rows) == len(keys)
+    r0 = next(r for r in quick_results if r.kernel == "prefill_kernel"
+              and by_id[r.case].arch == "sm_90" and by_id[r.case].dtype == "bf16")
+    same = [r.regs for r in quick_results if r.kernel == r0.kernel and r.config == r0.config
+            and by_id[r.case].arch == "sm_90" and by_id[r.case].dtype != "fp32"]
+    row = next(line for line in rows if f"| `{r0.kernel}` | 16-bit | {r0.config} |" in line)
+    regs = f"{min(same)}-{max(same)}" if min(same) != max(same) else str(min(same))
+    assert f"| {regs} |" in row
+    assert "serves their dtype: 0." in table
+    # Two versions side by side: cells "a / b".
+    assert f"| {regs} / {regs} |" in cr.summary_table([run, run])
+
+    def spill_one(dtype: str, arch: str) -> str:
+        target = next(r for r in quick_results if by_id[r.case].dtype == dtype
+                      and by_id[r.case].arch == arch and not r.error)
+        results = [dataclasses.replace(r, stack=64) if r is target else r
+                   for r in quick_results]
+        return cr.summary_table([cr.CompileRun("x", QUICK, results)])
+
+    served = spill_one("bf16", "sm_80")
+    assert "**64**" in served and "serves their dtype: 1: `" in served
+    allowed = spill_one("fp32", "sm_80")
+    assert "**64**" not in allowed and "| 64 |" in allowed and "serves their dtype: 0." in allowed
