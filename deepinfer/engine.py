@@ -148,7 +148,10 @@ class LLMEngine:
         req = RequestState(request_id, prompt, list(prompt_token_ids), params,
                            frozenset(stop_ids))
         if params.structured_outputs is not None:
-            # Parked until its grammar is compiled (_launch queues it then).
+            # Parked until its grammar is compiled (_launch queues it then); checked now as
+            # _queue will check it, so a request that can never run fails here, alone.
+            self.scheduler.check_request(request_id, req.prompt_token_ids, params.max_tokens,
+                                         n=params.n, min_tokens=params.min_tokens)
             self.structured.add(request_id, params.structured_outputs, stop_ids)
         else:
             self._queue(req)

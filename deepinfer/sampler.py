@@ -4,7 +4,8 @@ One ``Sampler.sample`` call turns the logits of every sample of a step into toke
 
 1. logprobs (optional) of the raw logits, like vLLM's default;
 2. repetition penalty (HF), presence/frequency penalty (OpenAI) from per-slot state;
-3. banned ids (EOS / stop ids of samples still under ``min_tokens``) -> -inf;
+3. banned ids (EOS / stop ids of samples still under ``min_tokens``) -> -inf, unless
+   that leaves a row nothing (a grammar that can only end): the end wins there;
 4. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then one
    uniform per row inverted through the row's cumulative distribution, an exact draw
    from ``p`` (the ops' ``sample_tokens``: one fused kernel on a GPU). Seeded rows take
@@ -233,10 +234,7 @@ class Sampler:
                 raise ValueError("sample: penalties requested but no sampler state given")
             self._apply_penalties(logits, sample_slots, states, st)
         if st.banned_rows is not None:
-            # The value made on the device (a fill kernel): a Python scalar becomes a CPU
-            # tensor that index_put_ copies over with a blocking copy (a stream sync).
-            logits.index_put_((st.banned_rows, st.banned_cols),
-                              logits.new_full((), float("-inf")))
+            self._ban(logits, st.banned_rows, st.banned_cols)
 
         if st.all_greedy:
             token_ids = argmax_rows(logits)
@@ -255,6 +253,20 @@ class Sampler:
         return token_ids, logprobs
 
     # ------------------------------------------------------------------ steps
+    @staticmethod
+    def _ban(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """-inf at ``(rows, cols)`` (``[B]`` int64 each), in place, except in a row that
+        the ban would leave with nothing to draw: a grammar that can only end (its mask
+        allows stop tokens alone) under ``min_tokens``. There the end wins, so the row
+        draws a stop token, not index 0 of an all -inf row. Device ops only."""
+        # The value made on the device (a fill kernel): a Python scalar becomes a CPU
+        # tensor that index_put_ copies over with a blocking copy (a stream sync).
+        ninf = logits.new_full((), float("-inf"))
+        kept = logits[rows, cols]
+        logits.index_put_((rows, cols), ninf)
+        emptied = logits.amax(dim=-1).isneginf()
+        logits.index_put_((rows, cols), torch.where(emptied[rows], kept, ninf))
+
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, slots: torch.Tensor,
                          states: Sequence[torch.Tensor], st: SamplingTensors) -> None:

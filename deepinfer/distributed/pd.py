@@ -257,7 +257,10 @@ class PDRounds:
     def _local_step(self) -> None:
         eng, s = self.engine, self.sched
         if self.is_prompt:
-            if not s.waiting or len(self.pending) >= self.max_pending:
+            # A constrained request waits in the engine (parked) until its grammar is
+            # compiled; the step takes it into the scheduler then.
+            if (not (s.waiting or eng.structured.has_parked())
+                    or len(self.pending) >= self.max_pending):
                 return  # nothing to prefill, or back-pressure from the decode side
             done = eng.step()
             self.pending.extend(s.take_handoffs())
@@ -273,7 +276,7 @@ class PDRounds:
     def _status(self) -> list[int]:
         row = [0] * (5 + self.k)
         if self.is_prompt:
-            row[HAS_WORK] = int(self.sched.has_unfinished() or bool(self.pending))
+            row[HAS_WORK] = int(self.engine.has_unfinished() or bool(self.pending))
             offers = list(self.pending)[: self.k]
             row[N_OFFERS] = len(offers)
             for i, seq in enumerate(offers):

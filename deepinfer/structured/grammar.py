@@ -39,6 +39,51 @@ _BOUNDED_CHAR = r'[^\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\]'
 
 
+# JSON-schema keywords xgrammar (0.2.9) accepts and then ignores, so outputs could break
+# them (checked with its own matcher on strings that break each): refused, as the spec
+# asks of an unsupported schema. allOf is enforced with one subschema only. (min/
+# maxContains mean nothing without contains, then/else nothing without if: both refused.)
+UNSUPPORTED_SCHEMA_KEYWORDS = ("uniqueItems", "contains", "dependentRequired",
+                               "dependentSchemas", "not", "if")
+# Where a schema holds subschemas: keyword -> how (one, a list, or a name -> schema map).
+_SUBSCHEMAS = {**dict.fromkeys(("items", "additionalItems", "additionalProperties",
+                                "unevaluatedItems", "unevaluatedProperties",
+                                "propertyNames"), "one"),
+               **dict.fromkeys(("prefixItems", "anyOf", "oneOf", "allOf"), "list"),
+               **dict.fromkeys(("properties", "patternProperties", "$defs",
+                                "definitions"), "map")}
+
+
+def unsupported_schema_part(schema: Any, path: str = "") -> str | None:
+    """The first place in ``schema`` that the grammar would not enforce, as
+    ``"'<keyword>' at <json pointer>"``, or None. Keywords are looked for only where the
+    schema has keywords (property names such as ``"not"`` are names)."""
+    if not isinstance(schema, dict):
+        return None
+    for kw in UNSUPPORTED_SCHEMA_KEYWORDS:
+        if kw in schema:
+            return f"'{kw}' at {path or '/'}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"'allOf' with {len(schema['allOf'])} subschemas at {path or '/'}"
+    for kw, how in _SUBSCHEMAS.items():
+        sub = schema.get(kw)
+        if how == "one":
+            parts = [(f"{path}/{kw}", sub)]
+        elif how == "list" and isinstance(sub, list):
+            parts = [(f"{path}/{kw}/{i}", x) for i, x in enumerate(sub)]
+        elif how == "map" and isinstance(sub, dict):
+            parts = [(f"{path}/{kw}/{name}", x) for name, x in sub.items()]
+        else:
+            continue
+        if kw == "items" and isinstance(sub, list):  # draft-7 tuple form
+            parts = [(f"{path}/items/{i}", x) for i, x in enumerate(sub)]
+        for where, x in parts:
+            found = unsupported_schema_part(x, where)
+            if found:
+                return found
+    return None
+
+
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:
     """The ``xgrammar.TokenizerInfo`` of a transformers fast tokenizer for a model with
     ``vocab_size`` logits. Special (control) tokens are blanked out of the vocabulary,
@@ -76,7 +121,12 @@ def build_grammar(so: StructuredOutputsParams) -> Any:
     kind = so.kind
     try:
         if kind == "json":
-            g = xgr.Grammar.from_json_schema(json.dumps(schema_of(so.json)),
+            schema = schema_of(so.json)
+            unsupported = unsupported_schema_part(schema)
+            if unsupported:
+                raise ValueError(f"{unsupported} is not supported (the output could "
+                                 "break it)")
+            g = xgr.Grammar.from_json_schema(json.dumps(schema),
                                              any_whitespace=so.any_whitespace)
             text = str(g)
             if _BOUNDED_CHAR in text:

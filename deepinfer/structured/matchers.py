@@ -17,9 +17,10 @@ How it fits the step loop (``LLMEngine``):
   meanwhile (its token will be dropped) is left unmasked.
 - ``after_update``: after ``Scheduler.update``. Each matcher is fed the tokens its
   sequence gained. A matcher that terminated (it accepted a stop token; with
-  ``ignore_eos`` the model's EOS) ends its sequence with ``"stop"``; a token the matcher
-  rejects (only when every allowed token was banned, e.g. ``min_tokens`` against a
-  finished grammar) ends it with ``"abort"``.
+  ``ignore_eos`` the model's EOS) ends its sequence with ``"stop"``, also under
+  ``min_tokens`` (the sampler lifts a ban that would leave a row nothing to draw, so a
+  grammar that can only end draws its stop token). A token the matcher rejects, which
+  that leaves no way to sample, would end it with ``"abort"``.
 
 One invariant keeps preemption, forks and hand-offs simple: a matcher has accepted
 exactly ``output_token_ids[:fed]`` of its sequence, and ``sync`` feeds the rest. A

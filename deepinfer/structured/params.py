@@ -48,9 +48,15 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _given(self) -> list[str]:
+        # ``is`` tests: 0 or "" set as a constraint is a bad value to name, not "unset"
+        # (``0 in (None, False)`` holds). json_object=False means not asked for.
+        return [k for k in KINDS if getattr(self, k) is not None
+                and not (k == "json_object" and getattr(self, k) is False)]
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field that breaks its rule."""
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 f"structured_outputs: exactly one of {list(KINDS)} must be set, got "
@@ -77,14 +83,15 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint this is: one of ``KINDS``."""
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
     def cache_key(self) -> tuple[str, str, bool]:
         """``(kind, canonical text, any_whitespace)``: equal keys compile to the same
-        grammar (a schema dict and the same schema as a string share one)."""
+        grammar (a schema dict and the same schema as a string share one). Key order is
+        kept: a schema's property order is its output's order."""
         kind = self.kind
         if kind == "json":
-            text = json.dumps(schema_of(self.json), sort_keys=True)
+            text = json.dumps(schema_of(self.json))
         elif kind == "choice":
             text = json.dumps(list(self.choice))
         elif kind == "json_object":

@@ -140,3 +140,30 @@ def test_pd_bad_flags(tmp_path, capsys, extra, message):
     assert main(["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_pd_runs_constrained_requests(tmp_path, model_args, capfd):
+    """A constrained request waits for its grammar in the PROMPT engine (not in its
+    scheduler) and is still prefilled, handed off and finished: the records equal a
+    one-engine run's, its output obeys its constraint."""
+    records = [
+        {"id": "choice", "prompt": "hello world", "structured_outputs":
+            {"choice": ["left", "right"]}},
+        {"id": "plain", "prompt": "once upon a time"},
+        {"id": "regex", "prompt": LONG, "max_tokens": 8, "temperature": 1.0, "seed": 5,
+         "structured_outputs": {"regex": "[a-e]{6,9}"}},
+    ]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    one, pd = tmp_path / "one.jsonl", tmp_path / "pd.jsonl"
+    assert main(["--input", str(inp), "--output", str(one), *model_args]) == 0
+    capfd.readouterr()
+    rc = main(["--input", str(inp), "--output", str(pd), "--pd", "1:1", *model_args])
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    assert "done: 3 requests ok, 0 failed" in err, err
+    want, got = _by_id(one), _by_id(pd)
+    assert list(got) == ["choice", "plain", "regex"]
+    assert got == want
+    assert got["choice"]["outputs"][0]["text"] in ("left", "right")
+    assert got["choice"]["outputs"][0]["finish_reason"] == "stop"

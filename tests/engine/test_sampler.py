@@ -227,6 +227,29 @@ def test_banned_ids_are_never_sampled():
     assert set(tokens.tolist()) == {0, 1}
 
 
+def test_a_ban_never_empties_a_row():
+    """A row whose only drawable ids are banned (a grammar mask that allows the stop
+    tokens alone, under min_tokens) draws one of them instead of index 0 of an all -inf
+    row; the other rows keep their bans, greedy and sampled alike."""
+    ninf = float("-inf")
+    torch.manual_seed(1)
+    for temperature in (0.0, 1.0):
+        logits = torch.randn(4, V)
+        logits[1] = ninf
+        logits[1, [5, 9]] = torch.tensor([0.3, 1.2])  # masked: stops 5 and 9 only
+        logits[3, :] = ninf
+        logits[3, 7] = 2.0  # masked to one id, which is not banned
+        banned = [[int(logits[0].argmax())], [5, 9], [], [5, 9]]
+        want0 = logits[0].clone()
+        want0[banned[0]] = ninf
+        tokens, _ = run(logits.clone(), [SP(temperature=temperature, seed=3)] * 4,
+                        banned=banned)
+        assert tokens[1].item() in (5, 9) and tokens[3].item() == 7
+        assert tokens[0].item() not in banned[0]
+        if temperature == 0.0:
+            assert tokens[1].item() == 9 and tokens[0].item() == int(want0.argmax())
+
+
 # --------------------------------------------------------------------------- logprobs
 def test_logprobs_are_raw_log_softmax_top_k_plus_sampled():
     torch.manual_seed(0)

@@ -213,6 +213,33 @@ def test_bad_request_fails_alone_in_generate(llm):
     assert not llm.engine.has_unfinished() and not llm.engine.structured.live
 
 
+def test_constrained_request_that_can_never_run_fails_alone(llm):
+    """Checked at submission like any request, not later inside the step loop (where
+    it would end the whole run): the batch is refused with its index named and nothing
+    is left behind."""
+    too_long = SamplingParams(max_tokens=10**6, structured_outputs=SO(choice=["a", "b"]))
+    with pytest.raises(ValueError, match=r"prompt 1: .*max_model_len"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), too_long], use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.engine.structured.live
+    with pytest.raises(ValueError, match=r"request 'big': .*max_model_len"):
+        llm.engine.add_request("big", "b", None, too_long)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+def test_min_tokens_yields_to_a_finished_grammar(llm):
+    """Under min_tokens the stop tokens are banned; once the grammar allows nothing else
+    the ban is lifted for that row: the choice ends with "stop" and its stop token, not
+    an arbitrary token the grammar rejects ("abort")."""
+    eos = set(llm.engine.eos_token_ids)
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=12, min_tokens=6,
+                             structured_outputs=SO(choice=CHOICES)) for t in (0.0, 1.0)]
+    prompt = _chat(llm, "Sentiment of 'meh':")
+    for out in llm.generate([prompt, prompt], params, use_tqdm=False):
+        (c,) = out.outputs
+        assert c.finish_reason == "stop" and c.text in CHOICES, (c.text, c.token_ids)
+        assert c.token_ids[-1] in eos
+
+
 def test_constrained_request_waits_for_its_grammar(llm):
     """A constrained request reaches the scheduler only once its grammar is compiled
     (parked meanwhile, counted as unfinished work); abort drops a parked one."""

@@ -33,6 +33,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"json": "[1, 2]"}, "structured_outputs.json"),
     ({"json": [1]}, "structured_outputs.json"),
     ({"json_object": 1}, "structured_outputs.json_object"),
+    # Falsy values are bad values, not "unset" (0 == False).
+    ({"json": 0}, "structured_outputs.json"),
+    ({"json": 0, "regex": "a"}, "exactly one of"),
+    ({"regex": 0.0}, "structured_outputs.regex"),
+    ({"json_object": 0}, "structured_outputs.json_object"),
     ({"json_object": True, "any_whitespace": "yes"}, "structured_outputs.any_whitespace"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
@@ -43,8 +48,13 @@ def test_invalid_params_name_the_field(kwargs, field):
 def test_kind_key_and_dict_forms():
     assert SO(json=SCHEMA).kind == "json"
     assert SO(json_object=True).kind == "json_object"
-    # A schema dict and the same schema as a string (other key order) share a key.
+    # A schema dict and the same schema as a string (other whitespace) share a key; the
+    # property order is kept (it is the output's order), so another order is another key.
     assert SO(json=SCHEMA).cache_key() == SO(json=json.dumps(SCHEMA, indent=2)).cache_key()
+    two = {"type": "object", "properties": {"reasoning": {"type": "string"},
+                                            "answer": {"type": "integer"}}}
+    swapped = {**two, "properties": dict(reversed(list(two["properties"].items())))}
+    assert SO(json=two).cache_key() != SO(json=swapped).cache_key()
     assert SO(json=SCHEMA).cache_key() != SO(json=SCHEMA, any_whitespace=True).cache_key()
     assert SO(choice=["a", "b"]).cache_key() != SO(choice=["b", "a"]).cache_key()
     assert SO.from_dict({"regex": "[0-9]+"}) == SO(regex="[0-9]+")
@@ -134,6 +144,65 @@ def test_build_grammar_errors_name_the_field(so, field, words):
     msg = str(e.value)
     assert msg.startswith(f"structured_outputs.{field}: ") and words in msg, msg
     assert ".cc:" not in msg  # the C++ source location is stripped
+
+
+_OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"},
+                                           "b": {"type": "integer"}}}
+_INTS = {"type": "array", "items": {"type": "integer"}}
+# Each keyword build_grammar refuses: a schema using it and a string that breaks it.
+IGNORED_BY_XGRAMMAR = {
+    "uniqueItems": ({**_INTS, "uniqueItems": True}, "[1, 1]"),
+    "contains": ({**_INTS, "contains": {"const": 3}, "maxContains": 1}, "[3, 3]"),
+    "dependentRequired": ({**_OBJ_AB, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "dependentSchemas": ({**_OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}},
+                         '{"a": 1}'),
+    "not": ({"not": {"type": "string"}}, '"hi"'),
+    "if": ({**_OBJ_AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '{"a": 1}'),
+}
+
+
+def test_refused_schema_keywords_are_the_ones_xgrammar_ignores(info):
+    """Each refused keyword: xgrammar's own grammar accepts a string that breaks it (so
+    outputs could), and build_grammar names it; when xgrammar learns one, this fails and
+    the keyword can be allowed."""
+    import xgrammar as xgr
+
+    from deepinfer.structured.grammar import UNSUPPORTED_SCHEMA_KEYWORDS
+
+    assert set(IGNORED_BY_XGRAMMAR) == set(UNSUPPORTED_SCHEMA_KEYWORDS)
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    for kw, (schema, breaking) in IGNORED_BY_XGRAMMAR.items():
+        raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        m = xgr.GrammarMatcher(compiler.compile_grammar(raw))
+        assert m.accept_string(breaking) and m.is_completed(), kw
+        with pytest.raises(ValueError, match=f"structured_outputs.json: '{kw}' at / "):
+            build_grammar(SO(json=schema))
+    two = {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}
+    m = xgr.GrammarMatcher(compiler.compile_grammar(
+        xgr.Grammar.from_json_schema(json.dumps(two))))
+    assert m.accept_string("9") and m.is_completed()  # the second subschema is dropped
+    with pytest.raises(ValueError, match="'allOf' with 2 subschemas at /"):
+        build_grammar(SO(json=two))
+
+
+def test_unsupported_keywords_are_found_nested_and_names_are_not_keywords():
+    nested = {"type": "object", "properties": {"not": {
+        "type": "array", "items": {"type": "object", "properties": {
+            "if": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}}}
+    with pytest.raises(ValueError, match="'uniqueItems' at /properties/not/items/"
+                                         "properties/if"):
+        build_grammar(SO(json=nested))
+    refs = {"$defs": {"t": {"anyOf": [{"type": "string"}, {"not": {"const": 1}}]}},
+            "$ref": "#/$defs/t"}
+    with pytest.raises(ValueError, match=r"'not' at /\$defs/t/anyOf/1"):
+        build_grammar(SO(json=refs))
+    # Property names that are keywords elsewhere, "required" naming them, one-schema
+    # allOf (pydantic's $ref wrapper): all enforced, all accepted.
+    fine = {"type": "object", "$defs": {"x": {"type": "integer"}},
+            "properties": {"not": {"type": "string"}, "if": {"allOf": [{"$ref": "#/$defs/x"}]},
+                           "contains": {"enum": [{"not": 1}]}},
+            "required": ["not", "if"]}
+    build_grammar(SO(json=fine))
 
 
 @pytest.fixture(scope="module")
