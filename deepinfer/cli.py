@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--n", type=int, default=1)
     j = p.add_argument_group("job")
-    j.add_argument("--chat", action="store_true", help="apply the chat template to prompts")
+    j.add_argument("--chat", action="store_true",
+                   help="apply the chat template to plain prompts (.txt/.jsonl; in an "
+                   "OpenAI batch file each line's url decides)")
     j.add_argument("--format", choices=FORMATS, default="auto",
                    help="input/output format (auto: OpenAI batch when the first line has "
                    "custom_id and body)")

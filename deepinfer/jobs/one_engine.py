@@ -30,6 +30,8 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
     failed). ``args``: ``output``, ``chat``, ``show``, ``no_progress``. ``fmt``: the output
     lines (``NATIVE``, or ``OpenAIFormat``: then the file is put in input order at the
     end, as DP runs are)."""
+    # Also puts an OpenAI output in input order: a run killed after its last record but
+    # before the reorder below leaves nothing pending, and returns here.
     done = load_resume_state(args.output, inputs, fmt.final)
     pending = pending_records(inputs, done, args.output)
     if not pending:
@@ -45,14 +47,17 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
         def progress() -> None:
             bar.update(finished, st.prompt_tokens, st.generated_tokens)
 
+        unwritable = 0
         for res in engine.drain(on_step=progress):
-            write_record(out, fmt.result(res))
+            if not write_record(out, fmt.result(res)):
+                unwritable += 1  # written as an error line instead (see write_record)
             finished += 1
             if args.show:
                 show_result(res.request_id, prompts[res.request_id], res.outputs[0].text)
         bar.close()
     if fmt is not NATIVE:
         merge_outputs(args.output, input_order(r.id for r in inputs), [])
-    summary = RunSummary.of_engine(engine, len(prompts), failed, bar.elapsed())
+    failed += unwritable
+    summary = RunSummary.of_engine(engine, len(prompts) - unwritable, failed, bar.elapsed())
     print(summary.format(), file=sys.stderr)
     return 1 if failed else 0

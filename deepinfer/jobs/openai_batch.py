@@ -3,26 +3,37 @@
 "response": {"status_code", "request_id", "body"}, "error"}``.
 
 A line becomes the same ``InputRecord`` the native format makes: its internal id is
-``batch_req_<custom_id>`` (the output line's ``id``, the resume and merge key), or
-``batch_req_line<N>`` for a line that fails by itself (malformed, an unknown ``url``,
-``stream``, a field the engine does not have, a repeated ``custom_id``): such a line gets
-an error line, and error lines are dropped and rewritten when a run is resumed, so every
-input line has exactly one output line. ``body.model`` is not checked against the loaded
-model beyond a warning (as vLLM does): one engine serves every line.
+``batch_req_<custom_id>`` (the output line's ``id``), or ``batch_line_<N>`` for a line that
+fails by itself (malformed, an unknown ``url``, ``stream``, a field the engine does not
+have, a repeated ``custom_id``): the two prefixes differ, so no custom_id can make an id
+that a failed line has. Such a line gets an error line. Resume and merge key a status-200
+line by its ``custom_id`` (``records.line_key``), whatever its ``id``; error lines are
+dropped and rewritten when a run is resumed, so every input line has exactly one output
+line. A body field given as ``null`` is taken as absent (its default), as OpenAI's API
+does. ``body.model`` is not checked against the loaded model beyond a warning (as vLLM
+does): one engine serves every line.
 
 Logprobs name tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): the
 writer has no tokenizer, and ids round-trip where decoded pieces do not. ``top_logprobs``
-holds the top ``k`` and the sampled token.
+holds the top ``k`` and the sampled token, less the alternatives a grammar ruled out
+(logprob ``-inf``: not valid JSON, and not real alternatives).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
 
-from deepinfer.jobs.records import SAMPLING_KEYS, InputRecord, structured_overrides
+from deepinfer.jobs.records import (
+    OPENAI_ID_PREFIX,
+    SAMPLING_KEYS,
+    InputRecord,
+    openai_success,
+    structured_overrides,
+)
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).
@@ -42,7 +53,7 @@ def is_openai_batch(path: str) -> bool:
     ``body`` (the OpenAI batch format)."""
     if not os.path.exists(path):
         return False
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of line 1
         for line in f:
             if line.strip():
                 try:
@@ -58,13 +69,13 @@ def read_openai_inputs(path: str) -> list[InputRecord]:
     ``custom_id`` after its first line, is an error record naming the line."""
     records: list[InputRecord] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of line 1
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             rec = parse_openai_line(line, lineno)
             if rec.error is None and rec.custom_id in seen:
-                rec.id = f"batch_req_line{lineno}"
+                rec.id = line_record_id(lineno)
                 rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"
             if rec.error is None:
                 seen.add(rec.custom_id)
@@ -72,10 +83,16 @@ def read_openai_inputs(path: str) -> list[InputRecord]:
     return records
 
 
+def line_record_id(lineno: int) -> str:
+    """The id of input line ``lineno`` when it fails by itself: not under
+    ``OPENAI_ID_PREFIX``, so that no custom_id (``"line2"``, ...) can collide with it."""
+    return f"batch_line_{lineno}"
+
+
 def parse_openai_line(line: str, lineno: int) -> InputRecord:
     """One input line -> an ``InputRecord`` (``api``: ``"chat"`` or ``"completion"``;
     ``error`` set, naming the line and the field, when the line is bad)."""
-    line_id = f"batch_req_line{lineno}"
+    line_id = line_record_id(lineno)
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -103,7 +120,7 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
     except ValueError as e:
         return bad(str(e))
     model = body.get("model")
-    return InputRecord(id=f"batch_req_{cid}", prompt=prompt, messages=messages,
+    return InputRecord(id=OPENAI_ID_PREFIX + cid, prompt=prompt, messages=messages,
                        overrides=overrides, custom_id=cid,
                        api="chat" if url == CHAT_URL else "completion",
                        model=model if isinstance(model, str) and model else None)
@@ -113,6 +130,9 @@ def _body_fields(body: dict[str, Any], chat: bool
                  ) -> tuple[str | None, list[dict[str, str]] | None, dict[str, Any]]:
     """``(prompt, messages, sampling overrides)`` of a request body; ``ValueError`` naming
     the field when it is missing, malformed or not supported."""
+    # OpenAI documents most fields as nullable, null meaning the default: drop them here
+    # so that no check below (or SamplingParams) sees a None.
+    body = {k: v for k, v in body.items() if v is not None}
     if body.get("stream"):
         raise ValueError("body.stream: streaming is not available in a batch")
     used = set(body) - _IGNORED - {"stream"}
@@ -216,8 +236,7 @@ class OpenAIFormat:
     @staticmethod
     def final(line: dict[str, Any]) -> bool:
         """Whether an output line is kept on resume: only successful ones."""
-        resp = line.get("response")
-        return isinstance(resp, dict) and resp.get("status_code") == 200
+        return openai_success(line)
 
 
 def _logprobs(o, chat: bool) -> dict[str, Any] | None:
@@ -228,7 +247,14 @@ def _logprobs(o, chat: bool) -> dict[str, Any] | None:
     for tok, d in zip(o.token_ids, o.logprobs):
         toks.append(f"token_id:{tok}")
         lps.append(float(d.get(tok, float("nan"))))
-        tops.append({f"token_id:{t}": float(lp) for t, lp in d.items()})
+        # A grammar's masked tokens can fill the top k with -inf: drop them (OpenAI lists
+        # only real alternatives, and JSON has no infinity). The sampled token's own
+        # logprob is not filtered: a non-finite one is a bug that write_record reports.
+        # Most likely first, as OpenAI lists them (the engine's dict has the sampled
+        # token first).
+        top = sorted(((f"token_id:{t}", float(lp)) for t, lp in d.items()),
+                     key=lambda kv: -kv[1])
+        tops.append({k: v for k, v in top if math.isfinite(v)})
     if chat:
         return {"content": [
             {"token": t, "logprob": lp,

@@ -40,7 +40,9 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
     """Rewrite ``output`` as its records plus those of ``parts``, in input order; then
     remove the parts.
 
-    ``order``: input position of each id (ids not in it go last, in file order). Written
+    ``order``: input position of each line key (``records.line_key``: the id, or for an
+    OpenAI status-200 line the record id of its custom_id; keys not in it go last, in
+    file order). Written
     to a temp file and moved into place, so a kill at any point leaves the old output and
     the parts, or the new output: never a half-written one. A line present twice (a kill
     between the move and the removal of the parts) is kept once; records are copied byte

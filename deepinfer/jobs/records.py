@@ -5,8 +5,10 @@ Input: ``.txt`` (one prompt per line, blank lines skipped; the id is the line nu
 sampling overrides, top level or under ``sampling_params``; structured output as
 ``structured_outputs`` (``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``,
 ``{"json": ...}``, ``{"json_object": true}``) or OpenAI's ``response_format``). A bad line
-becomes a record with ``error`` set, so that it fails alone. Output: ``{"id", "outputs": [...]}`` or
-``{"id", "error"}``, written and flushed one line at a time.
+becomes a record with ``error`` set, so that it fails alone. Input files are read as
+UTF-8 with an optional BOM; CRLF line ends work. Output: ``{"id", "outputs": [...]}`` or
+``{"id", "error"}``, written and flushed one line at a time; a line never holds NaN or
+infinity (``write_record``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def read_inputs(path: str) -> Iterator[InputRecord]:
     is_jsonl = path.endswith((".jsonl", ".json"))
     if not is_jsonl and not path.endswith(".txt"):
         raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a BOM (Windows editors) is dropped instead of corrupting line 1.
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if not line.strip():
@@ -132,10 +135,11 @@ def mark_duplicates(pending: list[InputRecord]) -> None:
 def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
                    ) -> tuple[SamplingParams, str | None, Messages | None]:
     """``(params, prompt, messages)`` of a good record: its sampling overrides applied and,
-    with ``chat``, a plain prompt wrapped as one user message. Raises ``ValueError`` for
-    invalid sampling values."""
+    with ``chat``, a plain prompt wrapped as one user message. An OpenAI batch line is
+    never wrapped: its url decides (``/v1/completions`` is a raw prompt, answered by a
+    ``text_completion``). Raises ``ValueError`` for invalid sampling values."""
     sp = default_params.replace(**(rec.overrides or {}))
-    if rec.messages is not None or chat:
+    if rec.messages is not None or (chat and rec.api is None):
         return sp, None, rec.messages or [{"role": "user", "content": rec.prompt}]
     return sp, rec.prompt, None
 
@@ -176,9 +180,32 @@ def submit_records(engine, records: list[InputRecord], default_params: SamplingP
     return prompts, failed
 
 
+# OpenAI batch lines: the record id of a line that runs is this prefix + its custom_id;
+# lines that fail by themselves get ids under another prefix, so no custom_id can take one.
+OPENAI_ID_PREFIX = "batch_req_"
+
+
+def openai_success(line: dict[str, Any]) -> bool:
+    """Whether an output line is an OpenAI batch line with status 200 (the only kind
+    resume keeps)."""
+    resp = line.get("response")
+    return isinstance(resp, dict) and resp.get("status_code") == 200
+
+
+def line_key(line: dict[str, Any]) -> str:
+    """The resume and merge key of an output line: its ``id``, except for an OpenAI batch
+    line that succeeded: ``OPENAI_ID_PREFIX + custom_id``, the id of its input record
+    (resume is by custom_id, and OpenAI's service or an older deepinfer wrote other
+    ids)."""
+    cid = line.get("custom_id")
+    if isinstance(cid, str) and openai_success(line):
+        return OPENAI_ID_PREFIX + cid
+    return str(line["id"])
+
+
 def valid_lines(path: str) -> Iterator[tuple[int, bytes, str, dict[str, Any]]]:
-    """``(offset, raw_line, id, record)`` of each whole output record of ``path``, in file
-    order.
+    """``(offset, raw_line, key, record)`` of each whole output record of ``path``, in file
+    order (``key``: ``line_key``).
 
     The one rule for a valid output line: a whole line (it ends with a newline) holding a
     JSON object with an ``id``. Stops at the first line that is not (a killed writer
@@ -194,14 +221,52 @@ def valid_lines(path: str) -> Iterator[tuple[int, bytes, str, dict[str, Any]]]:
                 return
             if not isinstance(rec, dict) or "id" not in rec:
                 return
-            yield offset, raw, str(rec["id"]), rec
+            yield offset, raw, line_key(rec), rec
             offset += len(raw)
 
 
-def write_record(out: TextIO, record: dict[str, Any]) -> None:
-    """One JSON line, flushed at once so that a killed run keeps every finished record."""
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(raw: bytes) -> bool:
+    """Whether an output line (already known to parse) holds no NaN / Infinity."""
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        return True  # the common case, without a second parse
+    try:
+        json.loads(raw, parse_constant=_refuse_constant)
+    except ValueError:
+        return False
+    return True
+
+
+def write_record(out: TextIO, record: dict[str, Any]) -> bool:
+    """One JSON line, flushed at once so that a killed run keeps every finished record.
+    Returns False when ``record`` held NaN or infinity: that is a bug upstream (the
+    formats drop what may legitimately be infinite), so it is reported on stderr and the
+    record is written as an error line of its own format, failing alone, instead of as
+    invalid JSON (``-Infinity``) or killing the job."""
+    try:
+        line = json.dumps(record, ensure_ascii=False, allow_nan=False)
+    except ValueError as e:
+        message = f"internal error: the result held a non-finite number ({e})"
+        print(f"deepinfer-generate: error: record {record.get('id')!r}: {message}",
+              file=sys.stderr)
+        out.write(json.dumps(_failed_line(record, message), ensure_ascii=False) + "\n")
+        out.flush()
+        return False
+    out.write(line + "\n")
     out.flush()
+    return True
+
+
+def _failed_line(record: dict[str, Any], message: str) -> dict[str, Any]:
+    """The error line that replaces an unwritable ``record``, in its format (an OpenAI
+    batch line carries ``custom_id``)."""
+    if "custom_id" in record:
+        return {"id": record.get("id"), "custom_id": record.get("custom_id"),
+                "response": None, "error": {"code": "internal_error", "message": message}}
+    return error_record(record.get("id"), message)
 
 
 def error_record(record_id: str, error: str) -> dict[str, Any]:

@@ -2,6 +2,13 @@
 
 A killed writer leaves at most its last line torn; ``records.valid_lines`` (the one rule
 for a valid output line) stops there, and the torn tail is cut off before appending.
+
+OpenAI batch lines (objects with a ``custom_id``) are held to "one output line per input
+line, in input order" here, at the start of every run, so that it holds even when
+nothing is left to run (a run killed after its last record but before its final
+reorder): a status-200 line is keyed by its custom_id (``records.line_key``); a second
+one for the same custom_id, or one whose custom_id no longer has an input line (the input
+changed), is dropped, the latter with a warning; the kept lines are put in input order.
 """
 
 from __future__ import annotations
@@ -10,32 +17,56 @@ import os
 import sys
 from collections.abc import Callable
 
-from deepinfer.jobs.parts import fold_part_files
-from deepinfer.jobs.records import InputRecord, mark_duplicates, valid_lines
+from deepinfer.jobs.parts import fold_part_files, input_order
+from deepinfer.jobs.records import InputRecord, mark_duplicates, strict_json, valid_lines
 
 
-def load_done_ids(path: str, final: Callable[[dict], bool] | None = None) -> set[str]:
-    """Ids already in the output file; a torn last line (killed run) is cut off the file.
-    ``final(line)``: whether a line counts as done (default: every line); the others are
-    removed from the file (through a temp file and ``os.replace``) to be written again."""
+def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
+                  order: dict[str, int] | None = None) -> set[str]:
+    """Keys (``records.line_key``) already in the output file; a torn last line (killed
+    run) is cut off the file. ``final(line)``: whether a line counts as done (default:
+    every line); the others are removed from the file (through a temp file and
+    ``os.replace``) to be written again. ``order``: input position of each record id;
+    given, OpenAI batch lines are also checked against it (see the module docstring)."""
     if not os.path.exists(path):
         return set()
     done: set[str] = set()
     good_end = 0
-    kept: list[bytes] = []  # the final lines, in order (rewritten only if some are not)
+    kept: list[tuple[int, bytes]] = []  # (input position, line) of the kept lines
     dropped = False
-    for offset, raw, rid, rec in valid_lines(path):
-        if final is None or final(rec):
-            done.add(rid)
-            if final is not None:
-                kept.append(raw)
+    openai = False  # the file holds OpenAI batch lines: keep them in input order
+    stale: list[str] = []
+    for offset, raw, key, rec in valid_lines(path):
+        good_end = offset + len(raw)
+        # A line with NaN / Infinity (an older deepinfer wrote -Infinity logprobs) is not
+        # JSON: not done, so it is dropped and its record runs again.
+        keep = (final is None or final(rec)) and strict_json(raw)
+        if keep and order is not None and "custom_id" in rec:
+            openai = True
+            if key in done:
+                keep = False  # a second status-200 line of one custom_id
+            elif key not in order:
+                keep = False
+                stale.append(str(rec["custom_id"]))
+        if keep:
+            done.add(key)
+            kept.append((order.get(key, len(order)) if order is not None else 0, raw))
         else:
             dropped = True
-        good_end = offset + len(raw)
-    if dropped:
+    if stale:
+        names = ", ".join(repr(c) for c in stale[:5]) + (", ..." if len(stale) > 5 else "")
+        print(f"deepinfer-generate: warning: {path}: dropped {len(stale)} result line(s) "
+              f"whose custom_id has no line in the input any more: {names}",
+              file=sys.stderr)
+    unordered = openai and any(a[0] > b[0] for a, b in zip(kept, kept[1:]))
+    if dropped or unordered:
+        if openai:
+            kept.sort(key=lambda e: e[0])  # stable: file order within one position
         tmp = f"{path}.resume.tmp"
         with open(tmp, "wb") as dst:
-            dst.writelines(kept)
+            dst.writelines(raw for _, raw in kept)
+            dst.flush()
+            os.fsync(dst.fileno())
         os.replace(tmp, path)
     elif good_end != os.path.getsize(path):
         with open(path, "r+b") as f:
@@ -47,11 +78,12 @@ def load_resume_state(output: str, inputs: list[InputRecord],
                       final: Callable[[dict], bool] | None = None) -> set[str]:
     """Prepare ``output`` for a run and return the ids already done: create its folder,
     fold in part files left by a killed DP/PD run (they hold finished records), cut a
-    torn last line, drop lines that are not ``final`` (see ``load_done_ids``). Only one
-    process of a run may call this (it rewrites the file)."""
+    torn last line, drop lines that are not ``final`` and put OpenAI batch lines in input
+    order (see ``load_done_ids``). Only one process of a run may call this (it rewrites
+    the file)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fold_part_files(output, inputs)
-    return load_done_ids(output, final)
+    return load_done_ids(output, final, input_order(r.id for r in inputs))
 
 
 def pending_records(inputs: list[InputRecord], done: set[str], output: str,
