@@ -162,7 +162,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     check_tp_size(cfg, tp.size)  # before anything is read or allocated
     if is_gguf:
         weights: Iterable[tuple[str, torch.Tensor]] = (
-            (name, take_shard(w, shard_slice(name, cfg, tp)))
+            (name, take_shard(w, shard_slice(name, cfg, tp), name))
             for name, w in iter_gguf(gguf, cfg))
         total = len(gguf.tensors)
     else:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors import safe_open
 
+from deepinfer.models.tensor_parallel import Shard, check_shard_source
+
 
 def safetensors_files(folder: str) -> list[str]:
     """The shard files of ``folder``, in a stable order.
@@ -46,8 +48,9 @@ def count_tensors(files: list[str]) -> int:
     return total
 
 
-#: ``name -> (dim, start, length)`` of the part of a tensor to read, or None: all of it.
-ShardFn = Callable[[str], "tuple[int, int, int] | None"]
+#: ``name ->`` the part of a tensor to read: a :class:`Shard` (its whole size checked
+#: too) or a plain ``(dim, start, length)``; None: all of it.
+ShardFn = Callable[[str], "Shard | tuple[int, int, int] | None"]
 
 
 def iter_safetensors(files: list[str], shard: ShardFn | None = None
@@ -59,6 +62,8 @@ def iter_safetensors(files: list[str], shard: ShardFn | None = None
     only its columns. The caller copies each one into its parameter (which casts dtype
     and moves device) and keeps no reference to the file, so a rank's memory ends up
     holding its shard, with at most one tensor's worth of extra memory live on the way.
+    A :class:`Shard` cut whose whole size disagrees with the tensor's raises
+    ``ValueError`` naming it (:func:`check_shard_source`), from the header alone.
     """
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -67,6 +72,8 @@ def iter_safetensors(files: list[str], shard: ShardFn | None = None
                 if cut is None:
                     yield name, f.get_tensor(name)
                     continue
-                dim, start, length = cut
+                part = f.get_slice(name)
+                check_shard_source(name, part.get_shape(), cut)
+                dim, start, length = cut[:3]
                 index = (slice(None),) * dim + (slice(start, start + length),)
-                yield name, f.get_slice(name)[index]
+                yield name, part[index]

@@ -3,10 +3,12 @@ OLMoE and Qwen2-MoE.
 
 Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
 attention goes through the paged KV cache via a pluggable kernel backend. The variants
-differ only in switches read from :class:`~deepinfer.config.ModelConfig`: qkv bias
-(Qwen2, Qwen2-MoE), per-head q/k RMSNorm before RoPE (Qwen3, Qwen3-MoE) or over the whole
-projection (OLMoE, with optional qkv clipping), RoPE scaling, tied embeddings, and which
-layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the dense MLP.
+differ only in switches read from :class:`~deepinfer.config.ModelConfig`: attention
+biases (q/k/v on Qwen2 and Qwen2-MoE; q/k/v and o_proj with ``attention_bias`` on Llama,
+Qwen3, Qwen3-MoE and OLMoE), per-head q/k RMSNorm before RoPE (Qwen3, Qwen3-MoE) or over
+the whole projection (OLMoE, with optional qkv clipping), RoPE scaling, tied embeddings,
+and which layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the
+dense MLP.
 
 Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
 weight loading only has to handle the fused projections.
@@ -28,6 +30,7 @@ from deepinfer.models.moe import (
     SparseMoeBlock,
     canonical_moe_name,
     expert_weight_keys,
+    is_absent_shared_expert_tensor,
     is_expert_tensor,
     load_expert_tensor,
 )
@@ -54,7 +57,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp=tp)
+        # Its bias (if any) is whole on every rank, added once after the all-reduce.
+        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size,
+                                          bias=cfg.o_proj_bias, tp=tp)
         self.full_width_norm = cfg.qk_norm_full_width
         self.clip_qkv = cfg.clip_qkv
         if cfg.qk_norm_full_width and tp.size > 1:  # OLMoE split: statistics all-reduced
@@ -223,16 +228,19 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy of the embedding
             name = canonical_moe_name(name)
+            if is_absent_shared_expert_tensor(name, tensor, self.config, params):
+                continue
             if is_expert_tensor(name):
                 loaded.update(load_expert_tensor(params, name, tensor, self.tp))
                 continue
-            target, offset = self._fused_target(name)
+            target, offset, rows = self._fused_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{self.config.architecture}")
-            dst = param.data if offset is None else param.data.narrow(
-                0, offset, tensor.shape[0])
+            # A fused part has the config's rows: a tensor with more (or fewer) is an
+            # error, not a neighbour's rows overwritten (or left empty).
+            dst = param.data if offset is None else param.data.narrow(0, offset, rows)
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
@@ -264,19 +272,22 @@ class LlamaForCausalLM(nn.Module):
                 keys.add(name)
         return keys
 
-    def _fused_target(self, name: str) -> tuple[str, int | None]:
-        """HF name -> (our parameter name, row offset inside a fused parameter or None)."""
+    def _fused_target(self, name: str) -> tuple[str, int | None, int]:
+        """HF name -> (our parameter name, row offset inside a fused parameter or None,
+        that part's number of rows)."""
         a = self.model.layers[0].self_attn if len(self.model.layers) else None
+        q, kv = (a.q_size, a.kv_size) if a else (0, 0)
         sizes = local_sizes(self.config, self.tp)
-        for proj, fused, offset in (
-            ("q_proj", "qkv_proj", 0),
-            ("k_proj", "qkv_proj", a.q_size if a else 0),
-            ("v_proj", "qkv_proj", (a.q_size + a.kv_size) if a else 0),
-            ("gate_proj", "gate_up_proj", 0),
-            ("up_proj", "gate_up_proj", sizes.shared_expert_intermediate_size
-             if ".shared_expert." in name else sizes.intermediate_size),
+        inter = (sizes.shared_expert_intermediate_size if ".shared_expert." in name
+                 else sizes.intermediate_size)
+        for proj, fused, offset, rows in (
+            ("q_proj", "qkv_proj", 0, q),
+            ("k_proj", "qkv_proj", q, kv),
+            ("v_proj", "qkv_proj", q + kv, kv),
+            ("gate_proj", "gate_up_proj", 0, inter),
+            ("up_proj", "gate_up_proj", inter, inter),
         ):
             marker = f".{proj}."
             if marker in name:
-                return name.replace(marker, f".{fused}."), offset
-        return name, None
+                return name.replace(marker, f".{fused}."), offset, rows
+        return name, None, 0

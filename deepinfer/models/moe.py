@@ -3,9 +3,10 @@
 One block serves Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE: a router (``gate``, a bias-free
 ``Linear(hidden, E)``), experts stacked into ``w13 [E, 2I, H]`` (gate rows ``0..I``, then
 up rows ``I..2I``) and ``w2 [E, H, I]``, and for Qwen2-MoE a shared expert whose output is
-scaled by ``sigmoid(shared_expert_gate(x))`` and added. Routing and the expert MLPs go
-through the kernel backend the engine passes in (``moe_route`` then ``fused_moe``), so the
-same weights run on the Triton kernels and on the torch reference.
+scaled by ``sigmoid(shared_expert_gate(x))`` and added (none at width 0: it would add 0).
+Routing and the expert MLPs go through the kernel backend the engine passes in
+(``moe_route`` then ``fused_moe``), so the same weights run on the Triton kernels and on
+the torch reference.
 
 Checkpoints store experts one tensor each (``mlp.experts.{e}.gate_proj/up_proj/down_proj``
 for Qwen/OLMoE, ``block_sparse_moe.experts.{e}.w1/w3/w2`` for Mixtral) or already stacked
@@ -38,6 +39,8 @@ _PER_EXPERT = re.compile(
 #: Already-stacked tensor name -> (block prefix, which stack).
 _STACKED = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)"
                       r"(?:\.weight)?$")
+#: A Qwen2-MoE shared-expert tensor -> (block prefix, whether it is the sigmoid gate).
+_SHARED = re.compile(r"^(?P<block>.+\.mlp)\.shared_expert(?P<gate>_gate)?\.")
 #: Projection -> (our stacked parameter, is it the up half of w13).
 _PROJ = {"gate_proj": ("w13", False), "w1": ("w13", False),
          "up_proj": ("w13", True), "w3": ("w13", True),
@@ -82,6 +85,24 @@ def is_expert_tensor(name: str) -> bool:
     """Whether checkpoint tensor ``name`` (after :func:`canonical_moe_name`) is an expert
     weight that :func:`load_expert_tensor` places."""
     return bool(_PER_EXPERT.match(name) or _STACKED.match(name))
+
+
+def is_absent_shared_expert_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig,
+                                   params: dict[str, nn.Parameter]) -> bool:
+    """Whether ``name`` belongs to the zero-width shared expert of a Qwen2-MoE sparse
+    layer (``shared_expert_intermediate_size`` 0), which the model leaves out: in
+    transformers its output is 0, and so is whatever its gate scales. Its projections
+    must then be zero-size (``ValueError`` naming the tensor otherwise); the gate's
+    ``[1, hidden]`` weight is simply skipped."""
+    if cfg.architecture != "Qwen2MoeForCausalLM" or cfg.shared_expert_intermediate_size:
+        return False
+    m = _SHARED.match(name)
+    if m is None or f"{m['block']}.w13" not in params:  # not a sparse layer: no place
+        return False
+    if m["gate"] is None and tensor.numel():
+        raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
+                         f"expected a zero-size tensor (shared_expert_intermediate_size=0)")
+    return True
 
 
 def canonical_moe_name(name: str) -> str:
@@ -131,10 +152,10 @@ def load_expert_tensor(params: dict[str, nn.Parameter], name: str,
     if m is None:
         raise ValueError(f"checkpoint tensor {name!r} is not an expert weight")
     is_w13 = m["proj"] == "gate_up_proj"
-    if is_w13:
-        tensor = stacked_gate_up_shard(tensor, tp)
     target = f"{m['block']}.{'w13' if is_w13 else 'w2'}"
     param = _param(params, target, name)
+    if is_w13:  # the config's (whole) intermediate size, checked before the cut
+        tensor = stacked_gate_up_shard(tensor, tp, name, param.shape[1] // 2 * tp.size)
     _copy(param.data, tensor, name)
     inter = param.shape[1] // 2 if is_w13 else param.shape[2]
     return expert_weight_keys(target, param.shape[0], inter)

@@ -13,8 +13,9 @@ whole on every rank.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -152,15 +153,27 @@ _SPLITS = tuple((re.compile(p), dim, what) for p, dim, what in (
     (r"\.shared_expert\.down_proj\.weight$", 1, "shared"),
     (r"\.q_proj\.", 0, "q"), (r"\.k_proj\.", 0, "kv"), (r"\.v_proj\.", 0, "kv"),
     (r"\.q_norm\.weight$", 0, "q_wide"), (r"\.k_norm\.weight$", 0, "kv_wide"),
-    (r"\.o_proj\.weight$", 1, "q"),
+    (r"\.o_proj\.weight$", 1, "q"),  # not its bias: whole, added after the all-reduce
     (r"\.(gate_proj|up_proj)\.weight$", 0, "ffn"), (r"\.down_proj\.weight$", 1, "ffn"),
     (r"embed_tokens\.weight$", 0, "vocab"), (r"^lm_head\.weight$", 0, "vocab"),
 ))
 
 
-def shard_slice(name: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | None:
-    """``(dim, start, length)`` of checkpoint tensor ``name`` (HF naming) that this rank
-    holds, or None when every rank holds it whole."""
+class Shard(NamedTuple):
+    """The part of a checkpoint tensor one rank holds: ``length`` entries from ``start``
+    along ``dim``, of the ``full`` size the config implies there (``source`` says which
+    config sizes, for errors)."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+    source: str
+
+
+def shard_slice(name: str, cfg: ModelConfig, tp: TPGroup) -> Shard | None:
+    """The :class:`Shard` of checkpoint tensor ``name`` (HF naming) that this rank holds,
+    or None when every rank holds it whole."""
     if tp.size == 1:
         return None
     sizes = local_sizes(cfg, tp)
@@ -173,32 +186,66 @@ def shard_slice(name: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int
                 return None  # a per-head norm [head_dim]: whole on every rank
             what = what[:-5]
         if what == "q":
-            return dim, tp.rank * sizes.num_heads * d, sizes.num_heads * d
+            return Shard(dim, tp.rank * sizes.num_heads * d, sizes.num_heads * d,
+                         cfg.num_heads * d,
+                         f"num_attention_heads={cfg.num_heads} x head_dim={d}")
         if what == "kv":
-            return dim, sizes.kv_head_start * d, sizes.num_kv_heads * d
-        n = {"ffn": sizes.intermediate_size, "expert": sizes.moe_intermediate_size,
-             "shared": sizes.shared_expert_intermediate_size}.get(what)
-        if n is not None:
-            return dim, tp.rank * n, n
-        return dim, sizes.vocab_start, sizes.vocab_size
+            # The whole tensor has every KV head once, replicated on the ranks or not.
+            return Shard(dim, sizes.kv_head_start * d, sizes.num_kv_heads * d,
+                         cfg.num_kv_heads * d,
+                         f"num_key_value_heads={cfg.num_kv_heads} x head_dim={d}")
+        key, full, n, start = {
+            "ffn": ("intermediate_size", cfg.intermediate_size, sizes.intermediate_size,
+                    tp.rank * sizes.intermediate_size),
+            "expert": ("moe_intermediate_size", cfg.moe_intermediate_size,
+                       sizes.moe_intermediate_size, tp.rank * sizes.moe_intermediate_size),
+            "shared": ("shared_expert_intermediate_size",
+                       cfg.shared_expert_intermediate_size,
+                       sizes.shared_expert_intermediate_size,
+                       tp.rank * sizes.shared_expert_intermediate_size),
+            "vocab": ("vocab_size", cfg.vocab_size, sizes.vocab_size, sizes.vocab_start),
+        }[what]
+        return Shard(dim, start, n, full, f"{key}={full}")
     return None
 
 
-def stacked_gate_up_shard(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def check_shard_source(name: str, shape: Sequence[int], cut: Shard | tuple | None) -> None:
+    """``ValueError`` naming tensor ``name`` unless its whole ``shape`` has the size the
+    config implies along the split dim: a rank reads only its slice, so a checkpoint
+    that disagrees with its config.json would otherwise load a wrong slice silently
+    (one rank compares whole shapes instead). A plain ``(dim, start, length)`` cut, or
+    None, is not checked."""
+    if not isinstance(cut, Shard):
+        return
+    shape = tuple(int(x) for x in shape)
+    if cut.dim >= len(shape) or shape[cut.dim] != cut.full:
+        raise ValueError(f"checkpoint tensor {name!r}: shape {shape}, expected size "
+                         f"{cut.full} along dim {cut.dim} ({cut.source} in the config)")
+
+
+def stacked_gate_up_shard(tensor: torch.Tensor, tp: TPGroup, name: str = "",
+                          inter: int | None = None) -> torch.Tensor:
     """This rank's rows of a stacked expert ``gate_up_proj [E, 2I, H]``: its block of the
-    gate half and the same block of the up half -> ``[E, 2I / tp, H]``."""
+    gate half and the same block of the up half -> ``[E, 2I / tp, H]``. ``inter``: the
+    config's ``I`` (``ValueError`` naming tensor ``name`` if the tensor's differs)."""
     if tp.size == 1:
         return tensor
+    if inter is not None and (tensor.dim() != 3 or tensor.shape[1] != 2 * inter):
+        raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
+                         f"expected size {2 * inter} along dim 1 (2 x "
+                         f"moe_intermediate_size={inter} in the config)")
     inter = tensor.shape[1] // 2
     n = inter // tp.size
     lo = tp.rank * n
     return torch.cat([tensor[:, lo:lo + n], tensor[:, inter + lo:inter + lo + n]], dim=1)
 
 
-def take_shard(tensor: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+def take_shard(tensor: torch.Tensor, cut: Shard | None, name: str = "") -> torch.Tensor:
     """The ``shard_slice`` part of a whole tensor, owning its memory (so the whole one can
-    be freed)."""
+    be freed); ``ValueError`` naming tensor ``name`` if its size along the split dim is
+    not the config's (see :func:`check_shard_source`)."""
     if cut is None:
         return tensor
-    dim, start, length = cut
+    check_shard_source(name, tensor.shape, cut)
+    dim, start, length = cut[:3]
     return tensor.narrow(dim, start, length).clone()

@@ -1,0 +1,65 @@
+"""Tiny random checkpoints for the transformers-parity tests of ``tests/models`` and the
+tensor-parallel loading checks: the engine tests' tiny transformers configs (switches
+changed) saved with ``save_pretrained``, the ``config.json`` optionally edited afterwards,
+and transformers' own load of the edited folder as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from tests.engine.conftest import _tiny_configs
+from tests.engine.moe_checkpoints import moe_configs
+
+#: An ``edit_config`` value that removes the key.
+REMOVE = object()
+
+
+def tiny_config(name: str, **switches: Any) -> Any:
+    """The engine tests' tiny transformers config ``name`` (dense: llama3, llama_tied,
+    qwen2, qwen3, mistral; MoE: qwen3_moe, mixtral, olmoe, qwen2_moe), ``switches`` set
+    on it."""
+    cfg = {**_tiny_configs(), **moe_configs()}[name]
+    for key, value in switches.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def edit_config(path: str, changes: dict[str, Any]) -> None:
+    """Set keys of the ``config.json`` in folder ``path`` (:data:`REMOVE`: drop it)."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        if value is REMOVE:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def save_hf_checkpoint(hf_config: Any, path: str, seed: int,
+                       changes: dict[str, Any] | None = None, reference: bool = True) -> Any:
+    """Save a seeded random model of ``hf_config`` under ``path`` (biases random:
+    transformers zero-inits them, which would hide a missing one), apply ``changes`` to
+    its ``config.json`` (see :func:`edit_config`), and return transformers' load of the
+    folder (fp32, eval): what it builds from the edited file is the reference (None
+    without ``reference``: a config that disagrees with the tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    if changes:
+        edit_config(path, changes)
+    if not reference:
+        return None
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

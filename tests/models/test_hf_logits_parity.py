@@ -1,0 +1,80 @@
+"""Checkpoints whose ``config.json`` exercises per-architecture rules of transformers,
+loaded by ``load_model`` and run on the reference backend: every position's fp32 logits
+equal those of transformers' own load of the same folder.
+
+Covered: attention biases (q/k/v and o_proj with ``attention_bias`` on Llama, Qwen3,
+Qwen3-MoE and OLMoE; q/k/v only on Qwen2 and Qwen2-MoE; none on Mistral and Mixtral
+whatever the config says), defaults of omitted keys (Mixtral's rope_theta 1e6),
+``rope_parameters`` without a theta, a zero-width Qwen2-MoE shared expert, and Mixtral and
+OLMoE ignoring ``decoder_sparse_step``/``mlp_only_layers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer.loading.loader import load_model
+from tests.engine.paged_sim import PagedSim
+from tests.engine.test_models import ATOL, hf_logits
+from tests.models.hf_checkpoints import REMOVE, save_hf_checkpoint, tiny_config
+
+PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(12)).tolist()
+NO_ROPE = {"rope_parameters": REMOVE, "rope_theta": REMOVE, "rope_scaling": REMOVE}
+
+#: id -> (tiny config name, switches on the transformers config, config.json changes,
+#: what must hold of our model: o_proj bias present, q/k/v bias present).
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[bool, bool]]] = {
+    "llama_bias": ("llama3", {"attention_bias": True}, {}, (True, True)),
+    "qwen3_bias": ("qwen3", {"attention_bias": True}, {}, (True, True)),
+    "qwen3_moe_bias": ("qwen3_moe", {"attention_bias": True}, {}, (True, True)),
+    "olmoe_bias": ("olmoe", {"attention_bias": True}, {}, (True, True)),
+    # Qwen2: q/k/v bias always, o_proj never (attention_bias is not its switch).
+    "qwen2_attention_bias_key": ("qwen2", {}, {"attention_bias": True}, (False, True)),
+    "qwen2_moe_qkv_bias": ("qwen2_moe", {}, {"attention_bias": True}, (False, True)),
+    "qwen2_moe_no_qkv_bias": ("qwen2_moe", {"qkv_bias": False}, {}, (False, False)),
+    # Mistral/Mixtral: transformers builds no bias whatever config.json says.
+    "mistral_attention_bias_key": ("mistral", {}, {"attention_bias": True}, (False, False)),
+    "mixtral_attention_bias_key": ("mixtral", {}, {"attention_bias": True}, (False, False)),
+    # Omitted keys take transformers' per-architecture defaults (Mixtral: theta 1e6).
+    "mixtral_no_rope_keys": ("mixtral", {}, {**NO_ROPE, "rms_norm_eps": REMOVE},
+                             (False, False)),
+    # rope_parameters without a theta: top-level rope_theta, else the default; the
+    # scaling is kept either way.
+    "qwen3_rope_parameters_top_theta": (
+        "qwen3", {}, {**NO_ROPE, "rope_parameters": {"rope_type": "linear", "factor": 4.0},
+                      "rope_theta": 50000.0}, (False, False)),
+    "mixtral_rope_parameters_default_theta": (
+        "mixtral", {}, {**NO_ROPE, "rope_parameters": {"rope_type": "linear", "factor": 4.0}},
+        (False, False)),
+    # transformers builds a zero-width shared expert (output 0): nothing to load.
+    "qwen2_moe_shared_expert_0": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, {},
+                                  (False, True)),
+    # Qwen-MoE settings that Mixtral and OLMoE do not have: every layer stays sparse.
+    "mixtral_sparse_step_key": ("mixtral", {}, {"decoder_sparse_step": 2,
+                                                "mlp_only_layers": [0]}, (False, False)),
+    "olmoe_sparse_step_key": ("olmoe", {}, {"decoder_sparse_step": 0,
+                                            "mlp_only_layers": [1, 2]}, (False, False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    name, switches, changes, (o_bias, qkv_bias) = CASES[case]
+    seed = 3000 + list(CASES).index(case)
+    hf = save_hf_checkpoint(tiny_config(name, **switches), str(tmp_path), seed, changes)
+    model, cfg = load_model(str(tmp_path), dtype="float32", device="cpu")
+    attn = model.model.layers[0].self_attn
+    assert (attn.o_proj.bias is not None, attn.qkv_proj.bias is not None) == (o_bias, qkv_bias)
+    hf_attn = hf.model.layers[0].self_attn
+    assert (hf_attn.o_proj.bias is not None, hf_attn.q_proj.bias is not None) == (
+        o_bias, qkv_bias)  # the case really is what it says for transformers
+    if cfg.num_experts:  # the same layers are sparse
+        assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [
+            hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    got = PagedSim(cfg, num_blocks=16, block_size=4).step(model, {0: PROMPT}, True)
+    want = hf_logits(hf, PROMPT)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert want.abs().max() > 0.05
