@@ -96,12 +96,22 @@ def check_gpu_count(device: str, world_size: int, what: str) -> None:
                          f"{torch.cuda.device_count()} visible")
 
 
+#: The rendezvous waits for every rank to start, and a spawned rank imports torch first:
+#: seconds on a loaded machine. So it is never bounded by a short collective timeout.
+RENDEZVOUS_TIMEOUT_S = 120.0
+
+
 def init_distributed(info: RankInfo, device: str, timeout_s: float) -> dist.ProcessGroup:
-    """Join the default group (env:// rendezvous: MASTER_ADDR/MASTER_PORT).
+    """Join the default group (rendezvous on MASTER_ADDR/MASTER_PORT, as env:// would).
 
     ``timeout_s`` bounds every collective: a rank that stops answering makes the others
     fail after it instead of hanging (a dead peer is usually reported sooner by gloo).
+    The rendezvous itself waits up to ``max(timeout_s, RENDEZVOUS_TIMEOUT_S)``.
     """
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} not set: the ranks' rendezvous needs "
+                         "MASTER_ADDR and MASTER_PORT in the environment")
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N ranks on one machine would otherwise each start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
@@ -109,7 +119,10 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float) -> dist.Proc
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)  # binds the communicator to our GPU
-    dist.init_process_group(backend, init_method="env://", rank=info.rank,
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          info.world_size, is_master=info.rank == 0,
+                          timeout=dt.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)))
+    dist.init_process_group(backend, store=store, rank=info.rank,
                             world_size=info.world_size,
                             timeout=dt.timedelta(seconds=timeout_s), **kwargs)
     return dist.group.WORLD
