@@ -16,73 +16,15 @@ from typing import Any
 
 import torch
 
-#: HF ``architectures`` names the engine can run (all share one decoder implementation).
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "Qwen2MoeForCausalLM",
+from deepinfer.hf_config import (
+    GGUF_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    check_architecture,
+    hf_config_fields,
 )
-
-#: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
-MOE_ARCHITECTURES: tuple[str, ...] = (
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-)
-
-#: GGUF ``general.architecture`` -> HF architecture. Mistral GGUFs are written as "llama".
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-#: transformers' config-class defaults for the keys a ``config.json`` may omit, per
-#: architecture (tests/models/test_hf_config_parity.py holds them against the classes).
-#: ``sliding_window`` is a default only where the key is absent (an explicit null: none);
-#: a MoE row without ``moe_intermediate_size`` has experts of ``intermediate_size``.
-HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                             max_position_embeddings=2048),
-    "MistralForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                               max_position_embeddings=131072, sliding_window=4096),
-    "Qwen2ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                             max_position_embeddings=32768),
-    "Qwen3ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                             max_position_embeddings=32768),
-    "Qwen3MoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                                max_position_embeddings=32768, num_experts=128,
-                                num_experts_per_tok=8, moe_intermediate_size=768),
-    "MixtralForCausalLM": dict(rope_theta=1e6, rms_norm_eps=1e-5,
-                               max_position_embeddings=131072, num_experts=8,
-                               num_experts_per_tok=2),
-    "OlmoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5,
-                             max_position_embeddings=4096, num_experts=64,
-                             num_experts_per_tok=8),
-    "Qwen2MoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
-                                max_position_embeddings=32768, num_experts=60,
-                                num_experts_per_tok=4, moe_intermediate_size=1408,
-                                shared_expert_intermediate_size=5632),
-}
-
-#: Activations of the gated MLP the kernels implement (transformers maps both to SiLU).
-SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish")
 
 #: RoPE variants the rotary embedding implements.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 
 @dataclass
 class ModelConfig:
@@ -145,17 +87,13 @@ class ModelConfig:
             if self.decoder_sparse_step < 1:
                 raise ValueError(f"{self.architecture}: decoder_sparse_step="
                                  f"{self.decoder_sparse_step} must be >= 1")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads}"
-            )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.num_heads % self.num_kv_heads:  # HF names: an omitted key has a default
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has a sparse MoE block."""
@@ -171,54 +109,13 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any],
                        generation_config: dict[str, Any] | None = None) -> ModelConfig:
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
+        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout), as
+        transformers reads it (``deepinfer.hf_config``).
 
         ``generation_config`` (a parsed ``generation_config.json``) contributes extra EOS
         ids: Llama 3 instruct checkpoints list ``<|eot_id|>`` only there.
         """
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
-        check_architecture(arch)
-        if cfg.get("mlp_bias"):
-            raise ValueError(f"{arch}: mlp_bias=true is not supported")
-        act = cfg.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"{arch}: hidden_act={act!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-        defaults = HF_DEFAULTS[arch]
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        theta, scaling = _hf_rope(cfg, defaults["rope_theta"])
-        eos: list[int] = []
-        for src in (cfg, generation_config or {}):
-            for i in _as_list(src.get("eos_token_id")):
-                if i not in eos:
-                    eos.append(int(i))
-        qkv_bias, o_bias = _hf_attention_bias(arch, cfg)
-        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(_get(cfg, "rms_norm_eps", defaults)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(_get(cfg, "max_position_embeddings", defaults)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=_hf_sliding_window(arch, cfg),
-            bos_token_id=_first(cfg.get("bos_token_id")),
-            eos_token_ids=tuple(eos),
-            torch_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
-            **_hf_moe(arch, cfg),
-        )
+        return cls(**hf_config_fields(cfg, generation_config))
 
     @classmethod
     def from_hf_folder(cls, folder: str) -> ModelConfig:
@@ -272,6 +169,7 @@ class ModelConfig:
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens", []))
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -289,18 +187,9 @@ class ModelConfig:
             tie_word_embeddings=tied,
             attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
-            bos_token_id=_first(meta.get("tokenizer.ggml.bos_token_id")),
+            bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
             torch_dtype=torch.float16,
-        )
-
-
-def check_architecture(arch: str | None) -> None:
-    """Raise ``ValueError`` naming ``arch`` and the supported ones if it is unknown."""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (GGUF: {', '.join(GGUF_ARCHITECTURES)})"
         )
 
 
@@ -312,122 +201,3 @@ def check_moe_counts(arch: str, num_experts: int, top_k: int) -> None:
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be between 1 and "
                          f"num_experts={num_experts}")
-
-
-def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
-    """``cfg[key]``, or the architecture's default when the key is absent or null."""
-    value = cfg.get(key)
-    return defaults[key] if value is None else value
-
-
-def _hf_attention_bias(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
-    """(q/k/v bias, o_proj bias) as transformers builds the attention of ``arch``."""
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        return False, False  # no bias whatever the config says
-    if arch == "Qwen2ForCausalLM":
-        return True, False  # hard-coded qkv bias, no switch in its config
-    if arch == "Qwen2MoeForCausalLM":
-        return bool(cfg.get("qkv_bias", True)), False
-    bias = bool(cfg.get("attention_bias", False))  # Llama, Qwen3(-MoE), OLMoE: all four
-    return bias, bias
-
-
-def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    """The attention window (None: full attention). The Qwen families only use theirs
-    with ``use_sliding_window``; Mistral's key defaults to 4096 when absent (an explicit
-    null means none)."""
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window"):
-        return None
-    sliding = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
-    return int(sliding) if sliding else None
-
-
-def _hf_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of :class:`ModelConfig` from an HF config (``{}`` for dense ones).
-
-    transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts``; Mixtral and
-    OLMoE experts have ``intermediate_size``, every one of their layers is sparse (they
-    have no ``decoder_sparse_step``/``mlp_only_layers``); Mixtral always renormalises its
-    top-k. A missing (or null) key takes transformers' default for ``arch``.
-    """
-    if arch not in MOE_ARCHITECTURES:
-        return {}
-    defaults = HF_DEFAULTS[arch]
-    experts = cfg.get("num_experts")
-    if experts is None:
-        experts = cfg.get("num_local_experts")
-    if experts is None:
-        experts = defaults["num_experts"]
-    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-    out: dict[str, Any] = dict(
-        num_experts=int(experts),
-        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", defaults)),
-        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", defaults)) if qwen
-        else int(cfg["intermediate_size"]),
-        norm_topk_prob=True if arch == "MixtralForCausalLM"
-        else bool(cfg.get("norm_topk_prob", False)),
-    )
-    if qwen:
-        # A missing or null step means every layer; 0 is rejected by __post_init__
-        # (transformers would divide by it).
-        step = cfg.get("decoder_sparse_step")
-        out["decoder_sparse_step"] = 1 if step is None else int(step)
-        out["mlp_only_layers"] = tuple(int(i) for i in cfg.get("mlp_only_layers") or ())
-    if arch == "Qwen2MoeForCausalLM":
-        out["shared_expert_intermediate_size"] = int(
-            _get(cfg, "shared_expert_intermediate_size", defaults))
-    if arch == "OlmoeForCausalLM":
-        out["qk_norm_full_width"] = True
-        clip = cfg.get("clip_qkv")
-        out["clip_qkv"] = float(clip) if clip is not None else None
-    return out
-
-
-def _arch_from_model_type(model_type: str | None) -> str | None:
-    return {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-        "mixtral": "MixtralForCausalLM",
-        "olmoe": "OlmoeForCausalLM",
-        "qwen2_moe": "Qwen2MoeForCausalLM",
-    }.get(model_type or "", model_type)
-
-
-def _hf_rope(cfg: dict[str, Any],
-             default_theta: float) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either layout, as transformers merges them.
-
-    transformers 5 writes ``rope_parameters`` (theta inside, ``rope_type`` always set);
-    4.x writes top-level ``rope_theta`` plus an optional ``rope_scaling`` whose type key is
-    ``rope_type`` or the older ``type``. A non-empty ``rope_scaling`` wins over
-    ``rope_parameters`` (as in transformers); theta comes from the chosen dict, else the
-    top-level key, else the architecture's default.
-    """
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope parameters {params!r}: expected a JSON object")
-    scaling = dict(params)
-    theta = scaling.pop("rope_theta", None)
-    if theta is None:
-        theta = cfg.get("rope_theta")
-    theta = float(default_theta if theta is None else theta)
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **scaling}
-
-
-def _as_list(x: Any) -> list[Any]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _first(x: Any) -> int | None:
-    xs = _as_list(x)
-    return int(xs[0]) if xs else None

@@ -32,6 +32,7 @@ from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
 from deepinfer.worker import TensorParallel, build_worker
 from scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
+from scheduler.registry import validate_request
 
 
 @dataclass
@@ -150,8 +151,10 @@ class LLMEngine:
         if params.structured_outputs is not None:
             # Parked until its grammar is compiled (_launch queues it then); checked now as
             # _queue will check it, so a request that can never run fails here, alone.
-            self.scheduler.check_request(request_id, req.prompt_token_ids, params.max_tokens,
-                                         n=params.n, min_tokens=params.min_tokens)
+            sched = self.scheduler
+            validate_request(sched.config, request_id, req.prompt_token_ids, params.max_tokens,
+                             n=params.n, min_tokens=params.min_tokens,
+                             max_live=sched.state_manager.max_live)
             self.structured.add(request_id, params.structured_outputs, stop_ids)
         else:
             self._queue(req)

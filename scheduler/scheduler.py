@@ -93,7 +93,8 @@ class Scheduler:
         """Queue a request of ``n`` samples. Raises ``ValueError`` naming the request and
         the rule it breaks (state unchanged) if it is malformed or could never run."""
         prompt = [int(t) for t in prompt_token_ids]
-        self.check_request(request_id, prompt, max_tokens, n=n, min_tokens=min_tokens)
+        validate_request(self.config, request_id, prompt, max_tokens, n=n,
+                         min_tokens=min_tokens, max_live=self.state_manager.max_live)
         stops = tuple(int(t) for t in stop_token_ids)
         with self._lock:
             self._registry.check_new(request_id)
@@ -102,13 +103,6 @@ class Scheduler:
                            kv_cache=self.kv_cache)
             self._registry.add(seq)
             self.waiting.append(seq)
-
-    def check_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                      *, n: int = 1, min_tokens: int = 0) -> None:
-        """What ``add_request`` checks, alone (nothing changes): for a request held back
-        before it is added (its grammar compiling), so it fails when it is submitted."""
-        validate_request(self.config, request_id, prompt_token_ids, max_tokens, n=n,
-                         min_tokens=min_tokens, max_live=self.state_manager.max_live)
 
     def abort(self, request_id: str) -> bool:
         """End every live sequence of a request (finish_reason "abort"); False if unknown

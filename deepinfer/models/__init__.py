@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from deepinfer.config import SUPPORTED_ARCHITECTURES, check_architecture
+from deepinfer.hf_config import SUPPORTED_ARCHITECTURES, check_architecture
 from deepinfer.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM

@@ -1,15 +1,21 @@
 """``ModelConfig.from_hf_config`` against transformers' config classes and the models they
-build (on the meta device: no weights): the defaults of omitted keys, the attention
-biases, which layers are sparse, RoPE parameters, and what is rejected."""
+build (on the meta device: no weights): the defaults of omitted keys (HF_DEFAULTS against
+the classes' fields), explicit nulls, the attention biases, which layers are sparse, RoPE
+parameters, sliding windows, EOS ids, and what is rejected."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import pytest
 import torch
+import transformers
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 
-from deepinfer.config import HF_DEFAULTS, SUPPORTED_ARCHITECTURES, ModelConfig
+from deepinfer.config import ModelConfig
+from deepinfer.hf_config import HF_DEFAULTS, SUPPORTED_ARCHITECTURES
 from deepinfer.models.llama import LlamaForCausalLM
 
 #: Only the shape keys: everything else is left to the defaults.
@@ -18,8 +24,6 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 
 
 def _hf_config(arch: str, cfg: dict[str, Any]) -> Any:
-    import transformers
-
     cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     return cls.from_dict({"architectures": [arch], **cfg})
 
@@ -31,30 +35,147 @@ def _hf_meta_model(hf_cfg: Any) -> Any:
         return AutoModelForCausalLM.from_config(hf_cfg)
 
 
+#: Every key of HF_DEFAULTS' rows (a row without one: None in the class).
+TABLE_KEYS = ("rope_theta", "rms_norm_eps", "max_position_embeddings", "num_key_value_heads",
+              "head_dim", "sliding_window", "max_window_layers", "bos_token_id",
+              "eos_token_id", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+#: The fallbacks from_hf_config hard-codes for an omitted key: each class has that default
+#: or no such key.
+FIXED_FALLBACKS = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+                       qkv_bias=True, mlp_bias=False, norm_topk_prob=False,
+                       use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=None,
+                       clip_qkv=None, layer_types=None)
+#: Shape keys only, heads a multiple of every class's default num_key_value_heads.
+BARE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=32)
+
+
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
-def test_omitted_keys_take_transformers_defaults(arch):
-    """Fails if our table or transformers' config class changes."""
-    ours = ModelConfig.from_hf_config({"architectures": [arch], **SHAPE})
-    hf = _hf_config(arch, SHAPE)
+def test_defaults_table_is_the_config_class_defaults(arch):
+    """Fails if our table or transformers' config class changes: each HF_DEFAULTS value is
+    the class's field default (read from its dataclass fields, before __post_init__)."""
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+
+    def class_default(key: str) -> Any:
+        if key == "rope_theta":  # no field: the class puts it into rope_parameters
+            return cls().rope_parameters["rope_theta"]
+        return fields[key] if key in fields else fields.get(cls.attribute_map.get(key))
+
+    assert set(HF_DEFAULTS[arch]) <= set(TABLE_KEYS)
+    assert {k: class_default(k) for k in TABLE_KEYS} == {
+        k: HF_DEFAULTS[arch].get(k) for k in TABLE_KEYS}
+    assert {k: fields.get(k, v) for k, v in FIXED_FALLBACKS.items()} == FIXED_FALLBACKS
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_omitted_keys_as_transformers_builds_them(arch):
+    """Only the shape keys: the attention transformers builds (on meta) and the config
+    values it resolves, ours from the same config.json."""
+    ours = ModelConfig.from_hf_config({"architectures": [arch], **BARE})
+    hf = _hf_config(arch, BARE)
+    hf_model = _hf_meta_model(hf)
+    attn = hf_model.model.layers[0].self_attn
     moe = hasattr(hf, "num_experts")
-    want = {
+    eos = hf_model.generation_config.eos_token_id  # what generate() uses without a
+    want = {  # generation_config.json
+        "num_heads": attn.q_proj.out_features // attn.head_dim,
+        "num_kv_heads": attn.k_proj.out_features // attn.head_dim,
+        "head_dim": attn.head_dim,
         "rope_theta": hf.rope_parameters["rope_theta"],
         "rms_norm_eps": hf.rms_norm_eps,
         "max_position_embeddings": hf.max_position_embeddings,
-        # The Qwen families use theirs only with use_sliding_window (off by default).
-        "sliding_window": None if getattr(hf, "use_sliding_window", True) is False
-        else getattr(hf, "sliding_window", None),
+        "tie_word_embeddings": hf.tie_word_embeddings,
+        "bos_token_id": hf_model.generation_config.bos_token_id,
+        "eos_token_ids": () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+        # Mistral's default window; the Qwen families slide only with use_sliding_window
+        "sliding_window": 4096 if arch == "MistralForCausalLM" else None,
         "num_experts": hf.num_experts if moe else 0,
         "num_experts_per_tok": hf.num_experts_per_tok if moe else 0,
         "moe_intermediate_size": getattr(hf, "moe_intermediate_size", hf.intermediate_size)
         if moe else 0,
+        "norm_topk_prob": getattr(hf, "norm_topk_prob", arch == "MixtralForCausalLM"),
         "shared_expert_intermediate_size": getattr(hf, "shared_expert_intermediate_size", 0),
     }
     assert {key: getattr(ours, key) for key in want} == want
-    for key, value in HF_DEFAULTS[arch].items():  # the table holds transformers' values
-        assert want[key] == value, (arch, key)
+    assert (getattr(hf, "sliding_window", None) or None) == want["sliding_window"]  # 0: none
     assert hf.rope_parameters["rope_type"] == "default" and ours.rope_scaling is None
     assert hf.hidden_act in ("silu", "swish")
+    with torch.device("meta"):
+        qkv = LlamaForCausalLM(ours).model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.shape[0] == sum(
+        p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+
+@pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim"])
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_null_count_as_transformers(arch, key):
+    """An explicit null: the same value where transformers builds the model, else refused
+    naming the key (transformers raises, or fails building the attention)."""
+    cfg = {**BARE, key: None}
+    try:
+        attn = _hf_meta_model(_hf_config(arch, cfg)).model.layers[0].self_attn
+    except (TypeError, ValueError, StrictDataclassFieldValidationError):
+        with pytest.raises(ValueError, match=rf"{arch}: {key}=null is refused"):
+            ModelConfig.from_hf_config({"architectures": [arch], **cfg})
+        return
+    ours = ModelConfig.from_hf_config({"architectures": [arch], **cfg})
+    assert (ours.num_kv_heads, ours.head_dim) == (
+        attn.k_proj.out_features // attn.head_dim, attn.head_dim)
+
+
+@pytest.mark.parametrize("value", [0, -2, "8", 2.0, True, [4]])
+@pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim", "num_attention_heads",
+                                 "hidden_size", "sliding_window"])
+def test_bad_counts_name_the_key(key, value):
+    cfg = {"architectures": ["MistralForCausalLM"], **SHAPE, key: value}
+    if key == "sliding_window" and value == 0:
+        assert ModelConfig.from_hf_config(cfg).sliding_window is None  # 0: no window
+        return
+    with pytest.raises(ValueError, match=re.escape(
+            f"MistralForCausalLM: {key}={value!r} must be a positive integer")):
+        ModelConfig.from_hf_config(cfg)
+
+
+#: (architecture, config.json keys beyond SHAPE, our window) for windows transformers
+#: resolves from defaults; test_hf_logits_parity.py checks which layers really slide.
+WINDOWS = {
+    "qwen2_below_max_window_layers": ("Qwen2ForCausalLM", {"use_sliding_window": True}, None),
+    "qwen2_default_window": ("Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                  "max_window_layers": 3}, 4096),
+    "qwen3_default_window": ("Qwen3ForCausalLM", {"use_sliding_window": True,
+                                                  "max_window_layers": 0}, 4096),
+    "qwen3_layer_types": ("Qwen3ForCausalLM", {"use_sliding_window": True, "layer_types": [
+        "full_attention", "full_attention", "sliding_attention", "full_attention"]}, 4096),
+    "qwen3_null_window": ("Qwen3ForCausalLM", {"use_sliding_window": True,
+                                               "sliding_window": None,
+                                               "max_window_layers": 0}, None),
+    "qwen3_no_use_sliding_window": ("Qwen3ForCausalLM", {"sliding_window": 64,
+                                                         "max_window_layers": 0}, None),
+    "qwen3_moe_default_window": ("Qwen3MoeForCausalLM", {"use_sliding_window": True}, 4096),
+    "qwen2_moe_default_window": ("Qwen2MoeForCausalLM", {"use_sliding_window": True}, 4096),
+    "qwen2_moe_max_window_layers_0": ("Qwen2MoeForCausalLM", {"use_sliding_window": True,
+                                                              "max_window_layers": 0}, None),
+    "mixtral_default": ("MixtralForCausalLM", {}, None),
+    "mixtral_window": ("MixtralForCausalLM", {"sliding_window": 64}, 64),
+    "llama_window_key": ("LlamaForCausalLM", {"sliding_window": 64}, None),
+    "olmoe_window_key": ("OlmoeForCausalLM", {"sliding_window": 64}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWS))
+def test_sliding_window_defaults_as_transformers(case):
+    arch, extra, window = WINDOWS[case]
+    ours = ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, **extra})
+    assert ours.sliding_window == window
+    hf = _hf_config(arch, {**SHAPE, **extra})
+    types = getattr(hf, "layer_types", None)
+    if window is not None:  # transformers' own window, on some layer
+        assert hf.sliding_window == window
+        assert types is None or "sliding_attention" in types
+    elif arch.startswith("Qwen"):  # transformers: no window or no sliding layer
+        assert not hf.sliding_window or "sliding_attention" not in types
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_bias": True},
@@ -156,3 +277,27 @@ def test_gguf_config_has_no_o_proj_bias():
             "qwen2.block_count": 2, "qwen2.vocab_size": 300}
     cfg = ModelConfig.from_gguf_metadata(meta)
     assert cfg.attention_bias and not cfg.o_proj_bias
+
+
+@pytest.mark.parametrize("cfg_eos, gen, want", [
+    ("absent", None, (2,)),  # LlamaConfig's default, what generate() falls back to
+    ("absent", {"eos_token_id": [7, 9]}, (7, 9)),  # generation_config.json wins
+    ("absent", {"eos_token_id": None}, ()),
+    (None, None, ()),  # an explicit null: no EOS, as in transformers
+    (5, {"eos_token_id": [7, 5]}, (5, 7)),
+])
+def test_eos_default_only_when_no_file_names_one(cfg_eos, gen, want):
+    cfg = {"architectures": ["LlamaForCausalLM"], **SHAPE}
+    if cfg_eos != "absent":
+        cfg["eos_token_id"] = cfg_eos
+    assert ModelConfig.from_hf_config(cfg, gen).eos_token_ids == want
+
+
+def test_mlp_bias_refused_on_llama_only():
+    """Only Llama's MLP has biases with mlp_bias (unsupported here); the other classes
+    ignore the key (test_hf_logits_parity.py loads such checkpoints)."""
+    with pytest.raises(ValueError, match="LlamaForCausalLM: mlp_bias=true is not supported"):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **SHAPE,
+                                    "mlp_bias": True})
+    for arch in SUPPORTED_ARCHITECTURES[1:]:
+        ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, "mlp_bias": True})

@@ -5,8 +5,10 @@ equal those of transformers' own load of the same folder.
 Covered: attention biases (q/k/v and o_proj with ``attention_bias`` on Llama, Qwen3,
 Qwen3-MoE and OLMoE; q/k/v only on Qwen2 and Qwen2-MoE; none on Mistral and Mixtral
 whatever the config says), defaults of omitted keys (Mixtral's rope_theta 1e6),
-``rope_parameters`` without a theta, a zero-width Qwen2-MoE shared expert, and Mixtral and
-OLMoE ignoring ``decoder_sparse_step``/``mlp_only_layers``.
+``rope_parameters`` without a theta, a zero-width Qwen2-MoE shared expert, Mixtral and
+OLMoE ignoring ``decoder_sparse_step``/``mlp_only_layers``, omitted ``num_key_value_heads``
+and ``head_dim``, ``mlp_bias`` ignored outside Llama, and which ``sliding_window`` settings
+make transformers slide some layer.
 """
 
 from __future__ import annotations
@@ -57,6 +59,27 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[bool, bool]]] 
                                                 "mlp_only_layers": [0]}, (False, False)),
     "olmoe_sparse_step_key": ("olmoe", {}, {"decoder_sparse_step": 0,
                                             "mlp_only_layers": [1, 2]}, (False, False)),
+    # Omitted num_key_value_heads / head_dim: the class defaults (Mistral 8 heads, Qwen2-MoE
+    # 16, Qwen3-MoE 4, Qwen3 head_dim 128; fewer than num_attention_heads, so the fallback
+    # would differ), else num_attention_heads / hidden // heads.
+    "llama_no_kv_heads": ("llama3", {"num_key_value_heads": 4},
+                          {"num_key_value_heads": REMOVE, "head_dim": REMOVE}, (False, False)),
+    "mistral_no_kv_heads": ("mistral", {"num_attention_heads": 16, "num_key_value_heads": 8,
+                                        "head_dim": 4},
+                            {"num_key_value_heads": REMOVE, "head_dim": REMOVE}, (False, False)),
+    "qwen3_no_head_dim": ("qwen3", {"head_dim": 128}, {"head_dim": REMOVE}, (False, False)),
+    "qwen3_moe_no_kv_heads": ("qwen3_moe", {"num_attention_heads": 8,
+                                            "num_key_value_heads": 4, "head_dim": 8},
+                              {"num_key_value_heads": REMOVE, "head_dim": REMOVE},
+                              (False, False)),
+    "olmoe_no_kv_heads": ("olmoe", {"num_key_value_heads": 4}, {"num_key_value_heads": REMOVE},
+                          (False, False)),
+    "qwen2_moe_no_kv_heads": ("qwen2_moe", {"num_attention_heads": 32,
+                                            "num_key_value_heads": 16},
+                              {"num_key_value_heads": REMOVE}, (False, True)),
+    # mlp_bias is Llama's switch only: the others build bias-free MLPs whatever it says.
+    "qwen2_mlp_bias_key": ("qwen2", {}, {"mlp_bias": True}, (False, True)),
+    "mixtral_mlp_bias_key": ("mixtral", {}, {"mlp_bias": True}, (False, False)),
 }
 
 
@@ -78,3 +101,45 @@ def test_logits_match_transformers(case, tmp_path):
     want = hf_logits(hf, PROMPT)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     assert want.abs().max() > 0.05
+
+
+#: Which layers slide: id -> (tiny config name, config.json changes, whether transformers
+#: slides some layer). deepinfer has no windowed attention: a window caps max_model_len
+#: (worker.model_len_limit), so ours must be 8 exactly where transformers slides.
+WINDOW = {"sliding_window": 8, "layer_types": REMOVE}
+SLIDING: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "llama_window_key": ("llama3", {"sliding_window": 8}, False),
+    "olmoe_window_key": ("olmoe", {"sliding_window": 8}, False),
+    "mistral_window": ("mistral", {"sliding_window": 8}, True),
+    "mixtral_window": ("mixtral", {"sliding_window": 8}, True),
+    # Qwen2/Qwen3: layers >= max_window_layers (saved as 28 > 2 layers), if
+    # use_sliding_window; explicit layer_types win.
+    "qwen2_window_below_max_window_layers": ("qwen2", {**WINDOW, "use_sliding_window": True},
+                                             False),
+    "qwen2_window": ("qwen2", {**WINDOW, "use_sliding_window": True, "max_window_layers": 1},
+                     True),
+    "qwen3_window_off": ("qwen3", {**WINDOW, "max_window_layers": 0}, False),
+    "qwen3_layer_types": ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"]},
+                          True),
+    # Qwen3-MoE: every layer; Qwen2-MoE: even layers below max_window_layers.
+    "qwen3_moe_window": ("qwen3_moe", {**WINDOW, "use_sliding_window": True}, True),
+    "qwen2_moe_window": ("qwen2_moe", {**WINDOW, "use_sliding_window": True}, True),
+    "qwen2_moe_window_max_window_layers_0": (
+        "qwen2_moe", {**WINDOW, "use_sliding_window": True, "max_window_layers": 0}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(SLIDING))
+def test_sliding_window_where_transformers_slides(case, tmp_path):
+    """Ours (full attention) against transformers on a 40-token prompt, window 8: equal
+    everywhere when it slides no layer; else equal on the first 8 positions only."""
+    name, changes, slides = SLIDING[case]
+    seed = 4000 + list(SLIDING).index(case)
+    hf = save_hf_checkpoint(tiny_config(name), str(tmp_path), seed, changes)
+    model, cfg = load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert cfg.sliding_window == (8 if slides else None)
+    got = PagedSim(cfg, num_blocks=16, block_size=4).step(model, {0: PROMPT}, True)
+    want = hf_logits(hf, PROMPT)
+    torch.testing.assert_close(got[:8], want[:8], atol=ATOL, rtol=0)
+    assert torch.allclose(got, want, atol=ATOL, rtol=0) != slides

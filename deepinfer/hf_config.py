@@ -1,0 +1,297 @@
+"""The Hugging Face architectures the engine runs, and how a ``config.json`` maps onto
+:class:`~deepinfer.config.ModelConfig` the way transformers reads it: per-architecture
+defaults for the keys a file leaves out (``HF_DEFAULTS``, held against transformers'
+config classes by tests/models/test_hf_config_parity.py), which keys each architecture
+reads or ignores, which nulls it accepts, its attention biases, sliding window, RoPE
+layout and MoE keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: HF ``architectures`` names the engine can run (all share one decoder implementation).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
+
+#: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
+
+#: GGUF ``general.architecture`` -> HF architecture. Mistral GGUFs are written as "llama".
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+#: transformers' config-class defaults for the keys a ``config.json`` may omit, per
+#: architecture (tests/models/test_hf_config_parity.py holds them against the classes); a
+#: key missing from a row defaults to None there: ``num_key_value_heads`` then means
+#: ``num_attention_heads``, ``head_dim`` ``hidden_size // num_attention_heads``, the rest
+#: none. ``sliding_window`` is a default only where the key is absent (an explicit null:
+#: none); a MoE row without ``moe_intermediate_size`` has experts of ``intermediate_size``.
+_QWEN: dict[str, Any] = dict(rope_theta=1e4, rms_norm_eps=1e-6,
+                             max_position_embeddings=32768, sliding_window=4096)
+_MISTRAL: dict[str, Any] = dict(max_position_embeddings=131072, num_key_value_heads=8,
+                                bos_token_id=1, eos_token_id=2)
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
+                             max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "MistralForCausalLM": dict(_MISTRAL, rope_theta=1e4, rms_norm_eps=1e-6,
+                               sliding_window=4096),
+    "Qwen2ForCausalLM": dict(_QWEN, num_key_value_heads=32, max_window_layers=28),
+    "Qwen3ForCausalLM": dict(_QWEN, num_key_value_heads=32, max_window_layers=28,
+                             head_dim=128),
+    "Qwen3MoeForCausalLM": dict(_QWEN, num_key_value_heads=4, num_experts=128,
+                                num_experts_per_tok=8, moe_intermediate_size=768),
+    "MixtralForCausalLM": dict(_MISTRAL, rope_theta=1e6, rms_norm_eps=1e-5, num_experts=8,
+                               num_experts_per_tok=2),
+    "OlmoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                             eos_token_id=50279, num_experts=64, num_experts_per_tok=8),
+    "Qwen2MoeForCausalLM": dict(_QWEN, num_key_value_heads=16, max_window_layers=28,
+                                num_experts=60, num_experts_per_tok=4,
+                                moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
+}
+
+#: Where transformers maps an explicit null of these keys to their fallback (above); the
+#: other classes refuse it or build a broken model, so we refuse it too.
+_NULL_FALLBACK: dict[str, tuple[str, ...]] = {
+    "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                            "OlmoeForCausalLM"),
+    "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
+}
+
+#: Activations of the gated MLP the kernels implement (transformers maps both to SiLU).
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish")
+
+#: ``torch_dtype`` / ``dtype`` names of config.json.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def hf_config_fields(cfg: dict[str, Any],
+                     generation_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a parsed HF ``config.json`` (and of its
+    ``generation_config.json``, which contributes EOS ids). ``ValueError`` naming the
+    architecture and the key for what the engine or transformers would refuse;
+    ``KeyError`` for a missing shape key."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+    check_architecture(arch)
+    if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):  # the others ignore it
+        raise ValueError(f"{arch}: mlp_bias=true is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{arch}: hidden_act={act!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+    defaults = HF_DEFAULTS[arch]
+    num_heads = _count(arch, "num_attention_heads", cfg["num_attention_heads"])
+    hidden = _count(arch, "hidden_size", cfg["hidden_size"])
+    theta, scaling = _hf_rope(cfg, defaults["rope_theta"])
+    gen = generation_config or {}
+    # The class's EOS only if neither file names one (transformers' generate reads it).
+    own = cfg if "eos_token_id" in cfg or "eos_token_id" in gen else defaults
+    eos = dict.fromkeys(int(i) for src in (own, gen) for i in _as_list(src.get("eos_token_id")))
+    qkv_bias, o_bias = _hf_attention_bias(arch, cfg)
+    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return dict(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=_hf_count(arch, cfg, "num_key_value_heads", num_heads),
+        head_dim=_hf_count(arch, cfg, "head_dim", hidden // num_heads),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", defaults)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", defaults)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=qkv_bias,
+        o_proj_bias=o_bias,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        sliding_window=_hf_sliding_window(arch, cfg),
+        bos_token_id=_first(cfg.get("bos_token_id", defaults.get("bos_token_id"))),
+        eos_token_ids=tuple(eos),
+        torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+        **_hf_moe(arch, cfg),
+    )
+
+
+def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
+    """``cfg[key]``, or the architecture's default when the key is absent or null."""
+    value = cfg.get(key)
+    return defaults[key] if value is None else value
+
+
+def _count(arch: str, key: str, value: Any) -> int:
+    """``value`` if it is a positive integer, else ``ValueError`` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{arch}: {key}={value!r} must be a positive integer")
+    return value
+
+
+def _hf_count(arch: str, cfg: dict[str, Any], key: str, fallback: int) -> int:
+    """``key`` as transformers resolves it: absent, the class default (``fallback`` where that
+    is None); null, ``fallback`` only where the class maps it so (:data:`_NULL_FALLBACK`)."""
+    value = cfg[key] if key in cfg else HF_DEFAULTS[arch].get(key)
+    if value is None:
+        if key in cfg and arch not in _NULL_FALLBACK[key]:
+            raise ValueError(f"{arch}: {key}=null is refused by transformers; give an integer")
+        return fallback
+    return _count(arch, key, value)
+
+
+def _hf_attention_bias(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias) as transformers builds the attention of ``arch``."""
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return False, False  # no bias whatever the config says
+    if arch == "Qwen2ForCausalLM":
+        return True, False  # hard-coded qkv bias, no switch in its config
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", True)), False
+    bias = bool(cfg.get("attention_bias", False))  # Llama, Qwen3(-MoE), OLMoE: all four
+    return bias, bias
+
+
+def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    """The attention window if transformers slides any layer of ``arch`` (None: none does;
+    a null or 0 window is none). Llama and OLMoE never slide (causal masks whatever the key
+    says); the Qwen families only with ``use_sliding_window``, and Qwen2, Qwen3 and
+    Qwen2-MoE only on the layers ``layer_types`` marks, by default from
+    ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM") or (
+            arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
+        return None
+    window = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
+    if not window:
+        return None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
+        types, first = cfg.get("layer_types"), _get(cfg, "max_window_layers", HF_DEFAULTS[arch])
+        if types is not None:
+            slides = "sliding_attention" in types
+        elif arch == "Qwen2MoeForCausalLM":
+            slides = first > 0  # layer 0 is below it
+        else:
+            slides = first < int(cfg["num_hidden_layers"])
+        if not slides:
+            return None
+    return _count(arch, "sliding_window", window)
+
+
+def _hf_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelConfig` from an HF config (``{}`` for dense ones).
+
+    transformers 5 writes Qwen3-MoE's expert count as ``num_local_experts``; Mixtral and
+    OLMoE experts have ``intermediate_size``, every one of their layers is sparse (they
+    have no ``decoder_sparse_step``/``mlp_only_layers``); Mixtral always renormalises its
+    top-k. A missing (or null) key takes transformers' default for ``arch``.
+    """
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    defaults = HF_DEFAULTS[arch]
+    experts = cfg.get("num_experts")
+    if experts is None:
+        experts = cfg.get("num_local_experts")
+    if experts is None:
+        experts = defaults["num_experts"]
+    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    out: dict[str, Any] = dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", defaults)),
+        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", defaults)) if qwen
+        else int(cfg["intermediate_size"]),
+        norm_topk_prob=True if arch == "MixtralForCausalLM"
+        else bool(cfg.get("norm_topk_prob", False)),
+    )
+    if qwen:
+        # A missing or null step means every layer; 0 is rejected by __post_init__
+        # (transformers would divide by it).
+        step = cfg.get("decoder_sparse_step")
+        out["decoder_sparse_step"] = 1 if step is None else int(step)
+        out["mlp_only_layers"] = tuple(int(i) for i in cfg.get("mlp_only_layers") or ())
+    if arch == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = int(
+            _get(cfg, "shared_expert_intermediate_size", defaults))
+    if arch == "OlmoeForCausalLM":
+        out["qk_norm_full_width"] = True
+        clip = cfg.get("clip_qkv")
+        out["clip_qkv"] = float(clip) if clip is not None else None
+    return out
+
+
+def _arch_from_model_type(model_type: str | None) -> str | None:
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "olmoe": "OlmoeForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+    }.get(model_type or "", model_type)
+
+
+def _hf_rope(cfg: dict[str, Any],
+             default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either layout, as transformers merges them.
+
+    transformers 5 writes ``rope_parameters`` (theta inside, ``rope_type`` always set);
+    4.x writes top-level ``rope_theta`` plus an optional ``rope_scaling`` whose type key is
+    ``rope_type`` or the older ``type``. A non-empty ``rope_scaling`` wins over
+    ``rope_parameters`` (as in transformers); theta comes from the chosen dict, else the
+    top-level key, else the architecture's default.
+    """
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope parameters {params!r}: expected a JSON object")
+    scaling = dict(params)
+    theta = scaling.pop("rope_theta", None)
+    if theta is None:
+        theta = cfg.get("rope_theta")
+    theta = float(default_theta if theta is None else theta)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _first(x: Any) -> int | None:
+    xs = _as_list(x)
+    return int(xs[0]) if xs else None
+
+
+def check_architecture(arch: str | None) -> None:
+    """Raise ``ValueError`` naming ``arch`` and the supported ones if it is unknown."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (GGUF: {', '.join(GGUF_ARCHITECTURES)})"
+        )
