@@ -65,6 +65,8 @@ class IncrementalDetokenizer:
 
     ``tokenizer``: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=...)``).
     ``stop``: strings that end the output; the text is cut right before the first one.
+    ``min_tokens``: stop strings are looked for only once the output has that many
+    tokens (as EOS and stop tokens are banned before it; vLLM's rule).
 
     After each ``add``: ``text`` is the full output text so far (trimmed at a stop
     string once ``stopped``); ``add`` returns the newly *final* text, which holds back a
@@ -72,8 +74,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None) -> None:
+                 skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or ()) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -109,7 +113,7 @@ class IncrementalDetokenizer:
         self._prefix = self._read
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix:self._read])
-        if self.stop:
+        if self.stop and len(self.token_ids) >= self.min_tokens:
             self._check_stop(old_len)
         return self._flush()
 

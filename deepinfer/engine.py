@@ -15,6 +15,7 @@ landed, while the device runs its forward (docs/scheduling.md).
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -137,6 +138,12 @@ class LLMEngine:
             if prompt is None:
                 raise ValueError(f"request {request_id!r}: needs a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenize(prompt)
+        not_ints = [t for t in prompt_token_ids
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not_ints:  # 7.5 would be truncated, True taken as 1
+            raise ValueError(f"request {request_id!r}: token ids must be integers, got "
+                             f"{not_ints[:5]}")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]  # numpy ints too
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -407,6 +414,10 @@ class LLMEngine:
             if st.detok.stopped and seq.finish_reason is None:
                 self.scheduler.finish_sequence(seq.seq_id, "stop")
                 finished_seqs.append(seq)
+            elif st.detok.stopped and seq.finish_reason == "length":
+                # The last allowed token completed a stop string: the text ends there,
+                # so the reason is the stop string (as vLLM reports it).
+                seq.finish_reason = "stop"
 
     def _request_output(self, req: RequestState) -> RequestOutput:
         outs = [

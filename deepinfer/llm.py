@@ -126,14 +126,18 @@ class LLM:
             for rid, prompt, sp in zip(ids, prompts, params):
                 if isinstance(prompt, str):
                     engine.add_request(rid, prompt, None, sp)
-                else:
+                elif isinstance(prompt, (list, tuple)):
                     engine.add_request(rid, None, list(prompt), sp)
+                else:
+                    raise ValueError("expected a string or a list of token ids, got "
+                                     f"{type(prompt).__name__}")
                 added.append(rid)
-        except ValueError as e:
+        except BaseException as e:
             for rid in added:  # all-or-nothing: nothing runs if one request is invalid
                 engine.abort(rid)
-            index = len(added)
-            raise ValueError(f"prompt {index}: {e}") from e
+            if isinstance(e, ValueError):
+                raise ValueError(f"prompt {len(added)}: {e}") from e
+            raise
 
         results: dict[str, RequestOutput] = {}
         bar = RunProgress(len(ids), disable=not use_tqdm)

@@ -61,7 +61,7 @@ class RequestState:
         if stop:
             detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                            skip_special_tokens=p.skip_special_tokens,
-                                           stop=stop)
+                                           stop=stop, min_tokens=p.min_tokens)
         st = SampleState(seq, detok, [] if p.logprobs is not None else None)
         self.samples[seq.sample_index] = st
         return st, True

@@ -44,7 +44,7 @@ class SamplingParams:
     - ``stop``: strings that end the completion (excluded from the text).
     - ``stop_token_ids``: token ids that end the completion (besides EOS).
     - ``max_tokens`` >= 1, ``min_tokens`` in [0, max_tokens]: before ``min_tokens`` tokens
-      EOS and ``stop_token_ids`` cannot be sampled.
+      EOS and ``stop_token_ids`` cannot be sampled, and ``stop`` strings are not looked for.
     - ``ignore_eos``: keep generating past EOS.
     - ``logprobs``: return the log-probabilities of the sampled token and the top ``k``
       (of the raw model distribution); None = off.

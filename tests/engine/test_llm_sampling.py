@@ -56,6 +56,59 @@ def test_stop_string_trims_text(llm):
     assert stop not in out.text
 
 
+def test_stop_string_on_the_last_allowed_token_is_a_stop(llm):
+    """The token that reaches max_tokens also completes a stop string: the text is cut
+    there, so the reason is "stop", not "length"."""
+    base = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                              ignore_eos=True))[0].outputs[0]
+    # The shortest prefix of the output whose text ends in a 2-char string seen nowhere
+    # before it: that token completes it.
+    for k in range(2, len(base.token_ids) + 1):
+        text = llm.tokenizer.decode(base.token_ids[:k], skip_special_tokens=True)
+        stop = text[-2:]
+        if len(text) >= 2 and text.find(stop) == len(text) - 2 and stop.strip():
+            break
+    else:
+        pytest.skip("no usable stop string in this output")
+    out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True,
+                                             stop=[stop]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[:k] and out.text == text[:-2]
+    assert out.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    """As for EOS and stop ids, a stop string does not end the output before min_tokens
+    tokens (vLLM's rule): the first match counted is one completed by token min_tokens
+    or later."""
+    base = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                              ignore_eos=True))[0].outputs[0]
+    first_char = base.text.strip()[0]
+    early = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16,
+                                               ignore_eos=True, stop=[first_char]))
+    assert len(early[0].outputs[0].token_ids) < 6  # it stops at once without min_tokens
+    held = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                              stop=[first_char], min_tokens=6))
+    out = held[0].outputs[0]
+    assert len(out.token_ids) >= 6 and out.token_ids == base.token_ids[:len(out.token_ids)]
+
+
+def test_bad_prompts_fail_the_call_and_leave_nothing_queued(llm):
+    """Any bad prompt (not only a ValueError from the engine) aborts the requests added
+    before it; token ids must be integers (7.5 would be truncated, True taken as 1)."""
+    for prompts, match in (([PROMPT, None], r"prompt 1: expected a string or a list"),
+                           ([[5, 7.5]], r"prompt 0: .*must be integers.*7\.5"),
+                           ([[5, True]], r"prompt 0: .*must be integers.*True")):
+        with pytest.raises(ValueError, match=match):
+            _gen(llm, prompts, SamplingParams(max_tokens=2))
+        assert not llm.engine.has_unfinished() and not llm.engine.requests
+    import numpy as np
+
+    (out,) = _gen(llm, [[int(t) for t in np.array([5, 7])]], SamplingParams(max_tokens=2))
+    assert out.prompt_token_ids == [5, 7]
+    (out,) = _gen(llm, [list(np.array([5, 7]))], SamplingParams(max_tokens=2))
+    assert out.prompt_token_ids == [5, 7] and all(type(t) is int for t in out.prompt_token_ids)
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     greedy = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8,
                                                 ignore_eos=True))[0].outputs[0].token_ids
