@@ -74,6 +74,9 @@ def clone_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     another pair in the same call (copies run in parallel).
     """
     cache = check_tensor("kv_cache", kv_cache, ndim=6, contiguous=True)
+    if cache.shape[1] != 2:  # the launch covers K and V of every layer
+        raise ValueError("kv_cache: expected [num_layers, 2, num_blocks, block_size, Hkv, D], "
+                         f"got shape {tuple(cache.shape)}")
     device = check_runnable_device("kv_cache", cache)
     p = _check_pairs("pairs", pairs, device)
     if p.shape[0] == 0 or cache.numel() == 0:

@@ -271,6 +271,9 @@ def paged_decode_attention(
     """
     q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
         q, k_cache, v_cache, block_tables, seq_lens)
+    if q.shape[0] != seq_lens.shape[0]:  # the grid is q's rows: each reads its own row
+        raise ValueError(f"q: expected {seq_lens.shape[0]} rows (one per seq_lens entry), "
+                         f"got {q.shape[0]}")
     sm_scale = check_scale(scale, q.shape[2])
     forced = check_optional_int("num_splits", num_splits, 1)
     hint = check_optional_int("max_seq_len", max_seq_len, 0)

@@ -95,8 +95,11 @@ def fused_moe(
     x: ``[T, H]`` fp32/fp16/bf16, unit last stride. w13: ``[E, 2I, H]`` (gate rows
     ``0..I``, up rows ``I..2I``), w2: ``[E, H, I]``, both x's dtype, contiguous.
     topk_weights: ``[T, k]`` fp32; topk_ids: ``[T, k]`` int32 in ``[0, E)`` (from
-    ``moe_route``). Returns ``[T, H]`` in x's dtype (``out`` when given):
-    ``sum_j w_j * (silu(x @ gate_e.T) * (x @ up_e.T)) @ down_e.T`` over the k choices.
+    ``moe_route``, whose ids always are, NaN logits included). Returns ``[T, H]`` in x's
+    dtype (``out`` when given): ``sum_j w_j * (silu(x @ gate_e.T) * (x @ up_e.T)) @
+    down_e.T`` over the k choices. An id outside ``[0, E)`` is a caller error the host
+    cannot see without a sync: the alignment drops its pair, whose share of the sum is
+    then undefined (the reference raises).
     """
     check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, out)
     num_tokens, hidden = x.shape

@@ -41,8 +41,9 @@ def _route_kernel(
     m = tl.max(x, 1)
     p = tl.exp(x - m[:, None])
     p = p / tl.sum(p, 1)[:, None]
-    # Padding columns rank below every real probability (which is >= 0).
-    p = tl.where(e_ok[None, :], p, -1.0)
+    # Padding columns rank below every real probability (which is >= 0). A NaN (from a
+    # NaN logit) ranks with them, after the real columns: ids stay in [0, E).
+    p = tl.where(e_ok[None, :] & (p == p), p, -1.0)
 
     kk = tl.arange(0, K_PAD)
     top_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)

@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from kernels.runtime import Launch, Target, next_pow2, run_launches
-from kernels.validation import FLOAT_DTYPES, check_runnable_device, check_shape, check_tensor
+from kernels.validation import (
+    FLOAT_DTYPES,
+    check_eps,
+    check_runnable_device,
+    check_shape,
+    check_tensor,
+)
 
 
 @triton.jit
@@ -53,8 +59,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.device:
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device,
                  contiguous=True)
     check_shape("weight", weight, (x.shape[1],))
-    if not eps > 0:
-        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+    check_eps(eps)
     return device
 
 

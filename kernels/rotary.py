@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from kernels.runtime import Launch, Target, next_pow2, run_launches
-from kernels.validation import FLOAT_DTYPES, check_runnable_device, check_shape, check_tensor
+from kernels.validation import (
+    FLOAT_DTYPES,
+    check_eps,
+    check_runnable_device,
+    check_shape,
+    check_tensor,
+)
 
 
 @triton.jit
@@ -109,6 +115,9 @@ def rotary_qk(
                          f"{tuple(k.shape)}")
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(q.dtype,), device=device,
                  last_dim_contiguous=True)
+    if cos_sin_cache.shape[0] == 0:  # an out-of-range position still loads row 0
+        raise ValueError("cos_sin_cache: expected at least one position, got shape "
+                         f"{tuple(cos_sin_cache.shape)}")
     if cos_sin_cache.shape[1] != d:
         raise ValueError(f"cos_sin_cache: expected [max_positions, {d}], got shape "
                          f"{tuple(cos_sin_cache.shape)}")
@@ -123,8 +132,8 @@ def rotary_qk(
             check_tensor(name, w, ndim=1, dtypes=FLOAT_DTYPES, device=device,
                          contiguous=True)
             check_shape(name, w, (d,))
-    if q_norm_weight is not None and not eps > 0:
-        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+    if q_norm_weight is not None:
+        check_eps(eps)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=device)
     k_out = torch.empty(k.shape, dtype=q.dtype, device=device)
     if t:

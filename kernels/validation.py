@@ -78,6 +78,16 @@ def check_scale(scale: object, head_dim: int) -> float:
     return value
 
 
+def check_eps(eps: object) -> float:
+    """A norm's epsilon: a positive finite number (``ValueError`` naming ``eps``)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        fail("eps", "a positive number", type(eps).__name__)
+    value = float(eps)  # type: ignore[arg-type]
+    if not math.isfinite(value) or value <= 0:
+        fail("eps", "a positive number", value)
+    return value
+
+
 def check_optional_int(name: str, value: object, minimum: int) -> int | None:
     """Host-int hints: None or a Python int >= minimum."""
     if value is None:

@@ -46,6 +46,8 @@ BAD_INPUTS = {
     "rms_eps_zero": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), 0.0)),
     "rms_eps_negative": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), -1e-6)),
     "rms_eps_nan": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), float("nan"))),
+    "rms_eps_none": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), None)),
+    "rms_eps_str": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), "1e-6")),
     "add_x_ndim": ("x", lambda: kernels.add_rms_norm(_t(8), _t(8), _t(8), 1e-6)),
     "add_residual_shape": ("residual", lambda: kernels.add_rms_norm(
         _t(2, 8), _t(3, 8), _t(8), 1e-6)),
@@ -66,6 +68,8 @@ BAD_INPUTS = {
     "rot_k_dtype": ("k", lambda: _rotary(k=_t(3, 2, 8, dtype=F16))),
     "rot_k_ndim": ("k", lambda: _rotary(k=_t(3, 16))),
     "rot_cache_width": ("cos_sin_cache", lambda: _rotary(cos_sin_cache=_t(16, 4))),
+    # No row: the kernel would still read row 0 for an out-of-range position.
+    "rot_cache_empty": ("cos_sin_cache", lambda: _rotary(cos_sin_cache=_t(0, 8))),
     "rot_cache_dtype": ("cos_sin_cache", lambda: _rotary(cos_sin_cache=_t(16, 8, dtype=BF16))),
     "rot_positions_int32": ("positions", lambda: _rotary(
         positions=torch.zeros(3, dtype=torch.int32, device=DEVICE))),
@@ -80,6 +84,8 @@ BAD_INPUTS = {
                                                            k_norm_weight=_t(16))),
     "rot_norm_eps_zero": ("eps", lambda: _rotary(q_norm_weight=_t(8), k_norm_weight=_t(8),
                                                  eps=0.0)),
+    "rot_norm_eps_none": ("eps", lambda: _rotary(q_norm_weight=_t(8), k_norm_weight=_t(8),
+                                                 eps=None)),
     # silu_and_mul
     "silu_ndim": ("gate_up", lambda: kernels.silu_and_mul(_t(8))),
     "silu_int": ("gate_up", lambda: kernels.silu_and_mul(_t(2, 8, dtype=torch.int64))),

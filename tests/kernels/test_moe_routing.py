@@ -44,6 +44,20 @@ def test_route_ties_pick_lowest_index():
     torch.testing.assert_close(weights[1], torch.full((2,), 0.2, device=DEVICE))
 
 
+def test_route_nan_logits_keep_ids_in_range():
+    """A NaN logit (a NaN hidden state) makes its row's probabilities NaN: the ids still
+    name real experts (the lowest, like the reference's), never a padding column, which
+    fused_moe's alignment would drop."""
+    for num_experts in (5, 8, 16):  # E below its padded width, and equal to it
+        logits = randn((3, num_experts), torch.float32, generator(num_experts))
+        logits[1, 2] = float("nan")
+        _, ids = kernels.moe_route(logits, 2, True)
+        _, ref_ids = reference.moe_route(logits, 2, True)
+        assert ((ids >= 0) & (ids < num_experts)).all(), ids
+        assert ids[1].tolist() == [0, 1]
+        assert torch.equal(ids[[0, 2]], ref_ids[[0, 2]])
+
+
 def test_route_strided_rows_and_no_tokens():
     g = generator(7)
     wide = randn((4, 20), torch.float32, g)

@@ -51,6 +51,9 @@ ATTN_BAD = [
 
 
 @pytest.mark.parametrize("name, mutate", ATTN_BAD + [
+    # q rows must match seq_lens: the grid is q's rows, each reading its row's tables.
+    ("q", lambda a: torch.cat([a["q"], a["q"][:1]])),
+    ("q", lambda a: a["q"][:1]),
     ("num_splits", lambda a: 0),
     ("max_seq_len", lambda a: torch.tensor(5)),
 ])
@@ -105,6 +108,13 @@ def test_clone_blocks_rejects_and_writes_nothing(bad_pairs):
     assert torch.equal(cache, before)
     with pytest.raises(ValueError, match="kv_cache"):
         kernels.clone_blocks(cache[0], torch.tensor([[0, 1]], device=DEVICE))
+    # K and V: a cache without both planes would be copied past its end, or in part.
+    for planes in (1, 3):
+        odd = randn((2, planes, 4, 8, 1, 64), F32, generator(26))
+        kept = odd.clone()
+        with pytest.raises(ValueError, match="^kv_cache: expected"):
+            kernels.clone_blocks(odd, torch.tensor([[0, 1]], device=DEVICE))
+        assert torch.equal(odd, kept)
 
 
 def test_states_reject():
