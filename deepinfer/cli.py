@@ -26,6 +26,9 @@ from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.sampling_params import SamplingParams
 
+# Exit status after Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted).
+EXIT_INTERRUPTED = 130
+
 
 def flag_name(field_name: str) -> str:
     """``max_model_len`` -> ``--max-model-len``."""
@@ -143,16 +146,25 @@ def main(argv: list[str] | None = None) -> int:
             if world and world != num_prompt + num_decode:
                 raise ValueError(f"--pd {args.pd} needs WORLD_SIZE={num_prompt + num_decode}"
                                  f"; the launcher set {world}")
-            check_gpu_count(args.device, num_prompt + num_decode, f"--pd {args.pd}")
+            if not world:  # spawned here: one GPU per rank on this node (torchrun: per node)
+                check_gpu_count(args.device, num_prompt + num_decode, f"--pd {args.pd}")
         elif tp == 1 and world > 1 and args.dp > 1 and args.dp != world:
             raise ValueError(f"--dp {args.dp} disagrees with WORLD_SIZE={world} set by the "
                              "launcher")
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         return 2
-    if args.pd is not None:
-        return launch(pd_job_rank, num_prompt + num_decode,
-                      (args, engine_args, default_params, num_prompt))
-    if args.dp > 1 or world > 1 or tp > 1:
-        return launch(dp_rank, args.dp * tp, (args, engine_args, default_params))
-    return run_one_engine(args, engine_args, default_params, inputs, fmt)
+    try:
+        if args.pd is not None:
+            return launch(pd_job_rank, num_prompt + num_decode,
+                          (args, engine_args, default_params, num_prompt))
+        if args.dp > 1 or world > 1 or tp > 1:
+            return launch(dp_rank, args.dp * tp, (args, engine_args, default_params))
+        return run_one_engine(args, engine_args, default_params, inputs, fmt)
+    except KeyboardInterrupt:
+        # Ctrl-C: the spawned ranks are stopped on the way out (spawn_ranks); every
+        # record written so far is whole and kept, so a rerun resumes.
+        if os.environ.get("RANK", "0") == "0":  # once per run, also under torchrun
+            print("\ndeepinfer-generate: interrupted: rerun the same command to resume",
+                  file=sys.stderr)
+        return EXIT_INTERRUPTED

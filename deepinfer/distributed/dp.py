@@ -106,8 +106,10 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
         drain = (engine.drain(keep_going=group_has_work) if leaders is not None else
                  engine.drain(on_step=lambda: bar.update(finished, st.prompt_tokens,
                                                          st.generated_tokens)))
+        unwritable = 0
         for res in drain:
-            write_record(out, fmt.result(res))
+            if not write_record(out, fmt.result(res)):
+                unwritable += 1  # written as an error line instead: failed, as one engine
             finished += 1
             if args.show:
                 show_result(res.request_id, prompts[res.request_id], res.outputs[0].text,
@@ -115,7 +117,8 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
         bar.close()
     engine.close()  # the followers leave their loop
     elapsed = bar.elapsed()
-    mine_summary = RunSummary.of_engine(engine, len(prompts), failed, elapsed)
+    mine_summary = RunSummary.of_engine(engine, len(prompts) - unwritable,
+                                        failed + unwritable, elapsed)
     total = RunSummary.from_counts(leaders_sum(mine_summary.counts()), elapsed)
     dist.barrier()  # every part file is complete and closed
     if rank0:

@@ -185,8 +185,11 @@ class PDRounds:
         self._rows = [torch.zeros_like(self._row) for _ in range(world)]
 
     def _write(self, rec: dict[str, Any]) -> None:
-        write_record(self.out, rec)  # flushed: a killed run leaves whole records
-        if rec.get("error") is not None:
+        # Flushed: a killed run leaves whole records. A result that is not valid JSON is
+        # written as an error line instead (False): that request failed, as with one
+        # engine.
+        written = write_record(self.out, rec)
+        if not written or rec.get("error") is not None:
             self.stats["errors"] += 1
 
     def _gather(self, row: list[int]) -> list[list[int]]:

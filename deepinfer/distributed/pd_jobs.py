@@ -30,7 +30,13 @@ from deepinfer.distributed.ranks import (
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import open_job
 from deepinfer.jobs.parts import input_order, merge_outputs, part_path
-from deepinfer.jobs.records import NATIVE, InputRecord, queue_records, show_result
+from deepinfer.jobs.records import (
+    NATIVE,
+    InputRecord,
+    openai_success,
+    queue_records,
+    show_result,
+)
 from deepinfer.jobs.resume import load_resume_state, pending_records
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.sampling_params import SamplingParams
@@ -125,6 +131,7 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
                  default_params: SamplingParams, num_prompt: int, device: str) -> int:
     rank0 = info.rank == 0
     payload: list[Any] = [None]
+    shown: dict[str, Any] = {}
     if rank0:
         inputs, fmt = open_job(args.input, getattr(args, "format", "auto"),
                                engine_args.model)
@@ -133,6 +140,8 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
         requests, failed = (pd_requests(pending, args, default_params, fmt) if pending
                             else ([], 0))
         payload = [(requests, failed, input_order(r.id for r in inputs), fmt)]
+        # --show prints what one engine does (a repeated id's first record is the one run)
+        shown = {r.id: r.shown_prompt for r in pending if r.error is None}
     dist.broadcast_object_list(payload, src=0)
     requests, failed, order, fmt = payload[0]
     stats: list[dict[str, Any]] = []
@@ -146,22 +155,26 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
         dist.all_gather_object(stats, own)
         if rank0:
             merge_rank_parts(args.output, order, info.world_size)
+    elif rank0 and failed:
+        # Only error lines were written, appended (an OpenAI rerun rewrites its error
+        # lines): the file goes back to input order, as after one engine or --dp.
+        merge_outputs(args.output, order, [])
     failed += sum(s["errors"] for s in stats)
     if rank0 and (requests or failed):
-        _report(args, requests, failed, stats)
+        _report(args, requests, failed, stats, shown)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
     dist.barrier()
     return 1 if failed else 0
 
 
 def _report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
-            stats: list[dict[str, Any]]) -> None:
+            stats: list[dict[str, Any]], shown: dict[str, Any]) -> None:
     """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
-    model loading excluded as in a one-engine run) and ``--show``."""
+    model loading excluded as in a one-engine run) and ``--show`` (``shown``: the prompt
+    of each pending record by id)."""
     errors = sum(s["errors"] for s in stats)
     if args.show and requests:
-        _show_merged(args.output, {r.request_id: r.prompt if r.prompt is not None
-                                   else r.messages for r in requests})
+        _show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
     total = RunSummary.sum_over([RunSummary.from_dict(s) for s in stats])
     total.num_ok, total.failed = len(requests) - errors, failed
     print(total.format(), file=sys.stderr)
@@ -180,5 +193,19 @@ def _show_merged(output: str, prompts: dict[str, Any]) -> None:
     with open(output, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            if rec["id"] in prompts and "outputs" in rec:
-                show_result(rec["id"], prompts[rec["id"]], rec["outputs"][0]["text"])
+            text = _first_text(rec)
+            if rec["id"] in prompts and text is not None:
+                show_result(rec["id"], prompts[rec["id"]], text)
+
+
+def _first_text(line: dict[str, Any]) -> str | None:
+    """The text of an output line's first completion, what ``--show`` prints of a result
+    (``RequestOutput.outputs[0].text``): a native line's ``outputs[0].text``, or an OpenAI
+    batch line's first choice (``text``, or a chat ``message.content``). None for an error
+    line."""
+    if "outputs" in line:
+        return line["outputs"][0]["text"]
+    if not openai_success(line):
+        return None
+    choice = line["response"]["body"]["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]

@@ -16,6 +16,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from deepinfer.jobs.parts import merge_outputs, part_path
 from scheduler.dp import host_collective_stream
@@ -33,13 +35,15 @@ EXIT_RANK_FAILED = 3
 
 
 class RankFailedError(RuntimeError):
-    """A rank died, raised, or lost contact with the group."""
+    """A rank died, raised, or lost contact with the group. ``trace``: the traceback of
+    the rank that raised, when known."""
 
     def __init__(self, message: str, rank: int | None = None,
-                 exit_code: int | None = None) -> None:
+                 exit_code: int | None = None, trace: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exit_code = exit_code
+        self.trace = trace
 
 
 @dataclass(frozen=True)
@@ -159,22 +163,44 @@ def allreduce_ints(values: list[int], device: torch.device,
         return t.tolist()
 
 
+# Where torch.distributed's Python code lives: a RuntimeError raised through it comes
+# from a collective (gloo raises plain RuntimeErrors).
+_DIST_DIR = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """Whether ``error`` came out of torch.distributed (a peer died or stopped answering,
+    most likely): one of its exception types (``DistError``: DistBackendError,
+    DistNetworkError, DistStoreError, ...) or a RuntimeError raised through its code.
+    Running out of memory never is, even inside a collective."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        os.path.abspath(frame.f_code.co_filename).startswith(_DIST_DIR)
+        for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
 def run_in_group(info: RankInfo, device: str, timeout_s: float,
                  body: Callable[..., Any], *args: Any) -> Any:
     """Join the group, run ``body(*args)``, leave the group; returns what ``body`` did.
 
-    A ``RuntimeError`` from a collective (gloo: "Connection closed by peer" as soon as a
-    rank dies; NCCL/gloo: a timeout) becomes ``RankFailedError``: which rank died is not
-    known here, the launcher reports it. The group is destroyed while the interpreter is
-    whole, after its last users are freed: a gloo group left for interpreter teardown can
-    abort the process at exit.
+    An error from a collective (``is_collective_error``; gloo: "Connection closed by
+    peer" as soon as a rank dies; NCCL/gloo: a timeout) becomes ``RankFailedError``:
+    which rank died is not known here, the launcher reports it. Any other error (a bug,
+    CUDA out of memory) is this rank's own and is raised as it is, with its traceback.
+    The group is destroyed while the interpreter is whole, after its last users are
+    freed: a gloo group left for interpreter teardown can abort the process at exit.
     """
     init_distributed(info, device, timeout_s)
-    error: RuntimeError | None = None
+    error: Exception | None = None
+    lost_peer = False
     try:
         result = body(*args)
-    except RuntimeError as e:
+    except Exception as e:
         error = e
+        lost_peer = is_collective_error(e)
         # The failed frames hold the engine, whose scheduler holds the group.
         traceback.clear_frames(e.__traceback__)
     finally:
@@ -182,18 +208,28 @@ def run_in_group(info: RankInfo, device: str, timeout_s: float,
         destroy_group()
     if error is None:
         return result
-    if isinstance(error, RankFailedError):
+    if isinstance(error, RankFailedError) or not lost_peer:
         raise error
     first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
     raise RankFailedError(f"rank {info.rank}: a collective failed, so another rank died "
                           f"or stopped answering within {timeout_s:g}s ({first})")
 
 
+def use_thread_lock_for_bars() -> None:
+    """Give tqdm a threading lock in this rank, before any bar exists. Its default lock
+    also holds a multiprocessing lock, a semaphore that a rank leaving through
+    ``os._exit`` never unregisters: the launcher's resource tracker then warns of
+    "leaked semaphore objects" at exit. A spawned rank's lock is its own anyway (no
+    other process shares it), so a threading lock guards just as much."""
+    tqdm.set_lock(threading.RLock())
+
+
 # ---------------------------------------------------------------------------- launching
 def launch(fn: Callable[..., int], world_size: int, fn_args: tuple = ()) -> int:
     """Run ``fn(info, *fn_args)`` on every rank and return rank 0's exit status: in this
     process under torchrun, else in ``world_size`` spawned processes. A failed rank is
-    reported on stderr and gives ``EXIT_RANK_FAILED``."""
+    reported on stderr (a spawned rank that raised: with its traceback) and gives
+    ``EXIT_RANK_FAILED``."""
     if torchrun_world_size():
         try:
             return fn(RankInfo.from_env(), *fn_args)
@@ -203,6 +239,9 @@ def launch(fn: Callable[..., int], world_size: int, fn_args: tuple = ()) -> int:
     try:
         status = spawn_ranks(fn, world_size, fn_args)
     except RankFailedError as e:
+        if e.trace:
+            print(f"deepinfer-generate: rank {e.rank} raised:\n{e.trace.rstrip()}",
+                  file=sys.stderr)
         print(f"deepinfer-generate: {e}; the other ranks were stopped. Records already "
               "written are kept: rerun the same command to finish.", file=sys.stderr)
         return EXIT_RANK_FAILED
@@ -212,6 +251,7 @@ def launch(fn: Callable[..., int], world_size: int, fn_args: tuple = ()) -> int:
 def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int,
                  result_queue, fn_args: tuple) -> None:
     """A spawned rank: the torchrun environment, then ``fn(info, *fn_args)``."""
+    use_thread_lock_for_bars()  # it leaves through os._exit below
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -284,7 +324,7 @@ def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any
     trace = _child_traceback(pctx, root)
     if trace:
         what += f": {trace.strip().splitlines()[-1]}"
-    raise RankFailedError(what, root, code)
+    raise RankFailedError(what, root, code, trace)
 
 
 def _stop(procs) -> None:

@@ -31,6 +31,7 @@ from deepinfer.distributed.ranks import (
     free_port,
     init_distributed,
     select_device,
+    use_thread_lock_for_bars,
 )
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.tensor_parallel import TPGroup
@@ -152,6 +153,7 @@ class LLMFollowers:
 def _llm_follower(rank: int, world: int, port: int, args: EngineArgs,
                   timeout_s: float) -> None:
     """A spawned follower of an in-process ``LLM``."""
+    use_thread_lock_for_bars()  # it leaves through os._exit below (loading makes a bar)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     info = RankInfo(rank, world, rank, world)
     device = select_device(args.device, rank)

@@ -42,21 +42,26 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
 
     ``order``: input position of each line key (``records.line_key``: the id, or for an
     OpenAI status-200 line the record id of its custom_id; keys not in it go last, in
-    file order). Written
-    to a temp file and moved into place, so a kill at any point leaves the old output and
-    the parts, or the new output: never a half-written one. A line present twice (a kill
-    between the move and the removal of the parts) is kept once; records are copied byte
-    for byte.
+    file order). Written to a temp file and moved into place, so a kill at any point
+    leaves the old output and the parts, or the new output: never a half-written one.
+    Records are copied byte for byte. A part line already in ``output`` is dropped: a
+    kill between the move and the removal of the parts leaves parts whose lines the
+    output holds. Identical lines within the output, or among the parts, are all kept:
+    one run writes identical lines for distinct input lines (the error line of each
+    repeat of an id, on one rank or on several).
     """
-    sources = ([output] if os.path.exists(output) else []) + parts
+    has_output = os.path.exists(output)
+    sources = ([output] if has_output else []) + parts
     entries: list[tuple[int, int, int, int, int]] = []  # key, seq, source, offset, length
-    seen: set[bytes] = set()
+    in_output: set[bytes] = set()
     for si, path in enumerate(sources):
+        from_output = has_output and si == 0
         for offset, raw, rid, _ in valid_lines(path):
             digest = hashlib.blake2b(raw, digest_size=16).digest()
-            if digest in seen:
+            if from_output:
+                in_output.add(digest)
+            elif digest in in_output:
                 continue
-            seen.add(digest)
             entries.append((order.get(rid, len(order)), len(entries), si, offset, len(raw)))
     entries.sort()
     tmp = f"{output}.merge.tmp"

@@ -46,3 +46,30 @@ def test_single_rank_resume_folds_part_files(tmp_path, tiny_checkpoints):
     assert sorted(json.loads(x)["id"] for x in lines) == ["1", "2"]
     assert kept in lines  # the earlier record, byte for byte
     assert list_part_files(str(out)) == []
+
+
+def test_merge_keeps_identical_lines_of_one_run(tmp_path):
+    """A run writes byte-identical lines for distinct input lines (the error line of each
+    repeat of an id), in one part or in several: all are kept, as one engine keeps
+    them. Only a part line already in the output (a kill between the move and the
+    removal of the parts) is dropped."""
+    out = str(tmp_path / "out.jsonl")
+    dup = json.dumps({"id": "x", "error": "duplicate id 'x' in the input"}) + "\n"
+    with open(out, "w") as f:
+        f.write(_line("a") + dup + dup)  # an earlier run's two repeats of "x"
+    with open(part_path(out, 0), "w") as f:
+        f.write(_line("b") + _line("y") + _line("y"))
+    with open(part_path(out, 1), "w") as f:
+        f.write(_line("y") + _line("c"))
+    order = {"a": 0, "x": 1, "b": 2, "y": 3, "c": 4}
+    merge_outputs(out, order, list_part_files(out))
+    with open(out) as f:
+        merged = f.read()
+    assert [json.loads(x)["id"] for x in merged.splitlines()] == \
+        ["a", "x", "x", "b", "y", "y", "y", "c"]
+    # Killed after the move, before part 1 was removed: merging again changes nothing.
+    with open(part_path(out, 1), "w") as f:
+        f.write(_line("y") + _line("c"))
+    merge_outputs(out, order, list_part_files(out))
+    with open(out) as f:
+        assert f.read() == merged

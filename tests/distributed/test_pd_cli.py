@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from deepinfer.generate import main
@@ -167,3 +168,27 @@ def test_pd_runs_constrained_requests(tmp_path, model_args, capfd):
     assert got == want
     assert got["choice"]["outputs"][0]["text"] in ("left", "right")
     assert got["choice"]["outputs"][0]["finish_reason"] == "stop"
+
+
+def test_pd_gpu_count_is_per_node_under_torchrun(tmp_path, monkeypatch, capsys,
+                                                 tiny_checkpoints):
+    """Node 0 of `torchrun --nnodes 2 --nproc-per-node 8 ... --pd 8:8` has 8 GPUs: enough
+    (each rank checks its own GPU); spawned here, 16 ranks need 16 GPUs on this node."""
+    import deepinfer.cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    launched = []
+    monkeypatch.setattr(deepinfer.cli, "launch",
+                        lambda fn, world, fn_args: launched.append(world) or 0)
+    inp = tmp_path / "in.txt"
+    inp.write_text("hello\n")
+    argv = ["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--model",
+            tiny_checkpoints["llama_tied"].path, "--device", "cuda", "--pd", "8:8"]
+    assert main(argv) == 2
+    assert "--pd 8:8 needs 16 GPUs, 8 visible" in capsys.readouterr().err
+    for k, v in {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0",
+                 "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(argv) == 0, capsys.readouterr().err
+    assert launched == [16]
