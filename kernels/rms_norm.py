@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels.runtime import Launch, Target, next_pow2, run_launches
 from kernels.validation import (
     FLOAT_DTYPES,
-    check_eps,
+    check_positive_float,
     check_runnable_device,
     check_shape,
     check_tensor,
@@ -59,7 +59,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.device:
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device,
                  contiguous=True)
     check_shape("weight", weight, (x.shape[1],))
-    check_eps(eps)
+    check_positive_float("eps", eps)
     return device
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels.runtime import Launch, Target, next_pow2, run_launches
 from kernels.validation import (
     FLOAT_DTYPES,
-    check_eps,
+    check_positive_float,
     check_runnable_device,
     check_shape,
     check_tensor,
@@ -133,7 +133,7 @@ def rotary_qk(
                          contiguous=True)
             check_shape(name, w, (d,))
     if q_norm_weight is not None:
-        check_eps(eps)
+        check_positive_float("eps", eps)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=device)
     k_out = torch.empty(k.shape, dtype=q.dtype, device=device)
     if t:

@@ -66,26 +66,20 @@ def check_runnable_device(name: str, t: torch.Tensor) -> torch.device:
     return t.device
 
 
+def check_positive_float(name: str, value: object) -> float:
+    """A positive finite number (bool refused), as a float; ``ValueError`` naming
+    ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(name, "a positive finite float", type(value).__name__)
+    v = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(v) or v <= 0:
+        fail(name, "a positive finite float", v)
+    return v
+
+
 def check_scale(scale: object, head_dim: int) -> float:
     """Default softmax scale is 1/sqrt(head_dim)."""
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        fail("scale", "a float or None", type(scale).__name__)
-    value = float(scale)  # type: ignore[arg-type]
-    if not math.isfinite(value) or value <= 0:
-        fail("scale", "a positive finite float", value)
-    return value
-
-
-def check_eps(eps: object) -> float:
-    """A norm's epsilon: a positive finite number (``ValueError`` naming ``eps``)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        fail("eps", "a positive number", type(eps).__name__)
-    value = float(eps)  # type: ignore[arg-type]
-    if not math.isfinite(value) or value <= 0:
-        fail("eps", "a positive number", value)
-    return value
+    return head_dim**-0.5 if scale is None else check_positive_float("scale", scale)
 
 
 def check_optional_int(name: str, value: object, minimum: int) -> int | None:
