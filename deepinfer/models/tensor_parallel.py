@@ -230,10 +230,9 @@ def stacked_gate_up_shard(tensor: torch.Tensor, tp: TPGroup, name: str = "",
     config's ``I`` (``ValueError`` naming tensor ``name`` if the tensor's differs)."""
     if tp.size == 1:
         return tensor
-    if inter is not None and (tensor.dim() != 3 or tensor.shape[1] != 2 * inter):
-        raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                         f"expected size {2 * inter} along dim 1 (2 x "
-                         f"moe_intermediate_size={inter} in the config)")
+    if inter is not None:
+        check_shard_source(name, tensor.shape, Shard(
+            1, 0, 0, 2 * inter, f"2 x moe_intermediate_size={inter}"))
     inter = tensor.shape[1] // 2
     n = inter // tp.size
     lo = tp.rank * n
