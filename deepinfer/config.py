@@ -24,7 +24,17 @@ from deepinfer.hf_config import (
 )
 
 #: RoPE variants the rotary embedding implements.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+
+#: Each RoPE variant's required numeric parameters (``yarn`` also reads the optional
+#: ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor`` and
+#: ``truncate``).
+ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 @dataclass
 class ModelConfig:
@@ -33,8 +43,8 @@ class ModelConfig:
     ``torch_dtype`` is the checkpoint's own dtype (what ``dtype="auto"`` resolves to on
     CUDA), not necessarily the dtype the model was loaded in: read that from the model's
     parameters. ``rope_scaling`` is ``None`` or a dict with a ``rope_type`` key plus that
-    type's parameters (``factor``; for ``llama3`` also ``low_freq_factor``,
-    ``high_freq_factor`` and ``original_max_position_embeddings``).
+    type's parameters (:data:`ROPE_REQUIRED_KEYS`). ``yarn`` extends the context to
+    ``factor * original_max_position_embeddings`` positions (:attr:`max_positions`).
     ``rope_freq_factors`` (GGUF ``rope_freqs.weight``) divides the inverse frequencies
     elementwise: that is how llama.cpp files store Llama 3.1 scaling.
 
@@ -87,13 +97,20 @@ class ModelConfig:
             if self.decoder_sparse_step < 1:
                 raise ValueError(f"{self.architecture}: decoder_sparse_step="
                                  f"{self.decoder_sparse_step} must be >= 1")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        check_rope_scaling(self.rope_scaling)
         if self.num_heads % self.num_kv_heads:  # HF names: an omitted key has a default
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def max_positions(self) -> int:
+        """How many positions the model's RoPE serves: ``max_position_embeddings``, or
+        YaRN's extended length where that is longer (as vLLM counts it)."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type") == "yarn":
+            extended = int(float(s["factor"]) * int(s["original_max_position_embeddings"]))
+            return max(self.max_position_embeddings, extended)
+        return self.max_position_embeddings
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has a sparse MoE block."""
@@ -201,3 +218,31 @@ def check_moe_counts(arch: str, num_experts: int, top_k: int) -> None:
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be between 1 and "
                          f"num_experts={num_experts}")
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    """``ValueError`` naming the RoPE type or parameter that is unsupported or missing,
+    or a value out of range (a factor below 1 for ``yarn``)."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if scaling is None:
+        return
+    required = ROPE_REQUIRED_KEYS.get(rope_type, ())
+    # Zero means "the default" for these, as transformers reads them (``x or default``).
+    zero_ok = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    optional = zero_ok + ("attention_factor",) if rope_type == "yarn" else ()
+    for key in required + optional:
+        value = scaling.get(key)
+        if value is None and key not in required:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not (value >= 0 if key in zero_ok else value > 0)):
+            raise ValueError(f"rope scaling {rope_type!r}: {key}={value!r} must be a "
+                             f"{'non-negative' if key in zero_ok else 'positive'} number")
+    if rope_type == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"rope scaling 'yarn': truncate={scaling['truncate']!r} must be "
+                         "true or false")
+    if rope_type == "yarn" and float(scaling["factor"]) < 1:
+        raise ValueError(f"rope scaling 'yarn': factor={scaling['factor']!r} must be >= 1")

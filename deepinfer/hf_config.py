@@ -105,7 +105,8 @@ def hf_config_fields(cfg: dict[str, Any],
     defaults = HF_DEFAULTS[arch]
     num_heads = _count(arch, "num_attention_heads", cfg["num_attention_heads"])
     hidden = _count(arch, "hidden_size", cfg["hidden_size"])
-    theta, scaling = _hf_rope(cfg, defaults["rope_theta"])
+    max_positions = int(_get(cfg, "max_position_embeddings", defaults))
+    theta, scaling = _hf_rope(cfg, defaults["rope_theta"], max_positions)
     gen = generation_config or {}
     # The class's EOS only if neither file names one (transformers' generate reads it).
     own = cfg if "eos_token_id" in cfg or "eos_token_id" in gen else defaults
@@ -124,7 +125,7 @@ def hf_config_fields(cfg: dict[str, Any],
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", defaults)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(_get(cfg, "max_position_embeddings", defaults)),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
@@ -252,15 +253,18 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
     }.get(model_type or "", model_type)
 
 
-def _hf_rope(cfg: dict[str, Any],
-             default_theta: float) -> tuple[float, dict[str, Any] | None]:
+def _hf_rope(cfg: dict[str, Any], default_theta: float,
+             max_positions: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either layout, as transformers merges them.
 
     transformers 5 writes ``rope_parameters`` (theta inside, ``rope_type`` always set);
     4.x writes top-level ``rope_theta`` plus an optional ``rope_scaling`` whose type key is
     ``rope_type`` or the older ``type``. A non-empty ``rope_scaling`` wins over
     ``rope_parameters`` (as in transformers); theta comes from the chosen dict, else the
-    top-level key, else the architecture's default.
+    top-level key, else the architecture's default. ``llama3`` and ``yarn`` without an
+    ``original_max_position_embeddings`` take ``max_positions``, as transformers fills it
+    for these architectures (a top-level key of that name is not read: their config
+    classes do not declare it); a ``yarn`` factor of null is ``max_positions`` over it.
     """
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
@@ -274,6 +278,11 @@ def _hf_rope(cfg: dict[str, Any],
     scaling.pop("type", None)
     if rope_type == "default":
         return theta, None
+    if rope_type in ("llama3", "yarn"):
+        orig = scaling.setdefault("original_max_position_embeddings", max_positions)
+        if rope_type == "yarn" and scaling.get("factor") is None and isinstance(orig, int) \
+                and orig > 0:
+            scaling["factor"] = max_positions / orig
     return theta, {"rope_type": rope_type, **scaling}
 
 

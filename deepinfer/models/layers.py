@@ -55,7 +55,8 @@ class GatedMLP(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` fp32, with linear / llama3 scaling applied."""
+    """Inverse frequencies ``[head_dim // 2]`` fp32, with linear / llama3 / yarn scaling
+    applied."""
     ar = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (theta ** (ar / head_dim))
     if freq_factors is not None:
@@ -65,7 +66,51 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     return inv_freq
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for the other variants): the
+    config's ``attention_factor``, else ``0.1 ln(factor) + 1``, with DeepSeek's
+    ``mscale`` / ``mscale_all_dim`` ratio where both are set."""
+    s = scaling or {}
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def gain(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return gain(float(s["mscale"])) / gain(float(s["mscale_all_dim"]))
+    return gain(1.0)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float,
+                   s: dict[str, Any]) -> torch.Tensor:
+    """YaRN (NTK-by-parts): dimensions that turn fewer than ``beta_slow`` times over the
+    original context are interpolated (divided by ``factor``), those that turn more than
+    ``beta_fast`` times are kept, with a linear ramp between the two."""
+    factor = float(s["factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_at(turns: float) -> float:  # the dimension index that turns `turns` times
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_at(fast), dim_at(slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if hi == lo:
+        hi += 0.001  # a ramp of zero width would divide by zero
+    ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -108,8 +153,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, *self._args)
         t = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
         freqs = torch.outer(t, inv_freq)
+        gain = rope_attention_factor(self._args[1])
         # Computed in fp32 then cast, as HF does, so low-precision models match it.
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+        cache = torch.cat([freqs.cos() * gain, freqs.sin() * gain], dim=-1)
+        return cache.to(dtype=dtype, device=device)
 
     def rebuild(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Recompute the cache (after ``to_empty`` left it uninitialised)."""

@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, local_sizes(cfg, tp).vocab_size, bias=False)
         # Explicit device: the loader builds the layers on "meta", the cache must be real.
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling,
             cfg.rope_freq_factors, dtype=dtype, device=device)
 
     @property

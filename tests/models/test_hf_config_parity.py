@@ -1,7 +1,8 @@
 """``ModelConfig.from_hf_config`` against transformers' config classes and the models they
 build (on the meta device: no weights): the defaults of omitted keys (HF_DEFAULTS against
 the classes' fields), explicit nulls, the attention biases, which layers are sparse, RoPE
-parameters, sliding windows, EOS ids, and what is rejected."""
+parameters (YaRN's extended position limit), sliding windows, EOS ids, and what is
+rejected."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from deepinfer.config import ModelConfig
 from deepinfer.hf_config import HF_DEFAULTS, SUPPORTED_ARCHITECTURES
 from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.worker import model_len_limit
 
 #: Only the shape keys: everything else is left to the defaults.
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -208,8 +210,14 @@ def test_biases_and_sparse_layers_as_transformers_builds_them(arch, extra):
     {"rope_parameters": {"rope_type": "default"}, "rope_theta": 50000.0},
     {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 30000.0},
     {"rope_parameters": None, "rope_theta": 30000.0},
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 512},
+    {"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 16}, "original_max_position_embeddings": 128},
+    {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0}, "max_position_embeddings": 1024},
 ], ids=["params_top_theta", "params_no_theta", "params_theta_wins", "default_type",
-        "v4_scaling", "null_params"])
+        "v4_scaling", "null_params", "yarn_original_from_max_positions",
+        "yarn_top_level_original_ignored", "llama3_original_from_max_positions"])
 def test_rope_parameters_merge_as_transformers(arch, rope):
     ours = ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, **rope})
     hf = dict(_hf_config(arch, {**SHAPE, **rope}).rope_parameters)
@@ -301,3 +309,45 @@ def test_mlp_bias_refused_on_llama_only():
                                     "mlp_bias": True})
     for arch in SUPPORTED_ARCHITECTURES[1:]:
         ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, "mlp_bias": True})
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope scaling type 'dynamic' is not supported"),
+    ({"rope_type": "yarn", "factor": 0.5}, "'yarn': factor=0.5 must be >= 1"),
+    ({"rope_type": "yarn", "factor": "4"}, "'yarn': factor='4' must be a positive number"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": -1},
+     "'yarn': beta_fast=-1 must be a non-negative number"),
+    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.0},
+     "'yarn': attention_factor=0.0 must be a positive number"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": "yes"},
+     "'yarn': truncate='yes' must be true or false"),
+    ({"rope_type": "linear"}, "'linear': factor=None must be a positive number"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
+     "'llama3': high_freq_factor=None must be a positive number"),
+], ids=["unknown_type", "yarn_factor_below_1", "yarn_factor_string", "yarn_negative_beta",
+        "yarn_zero_attention_factor", "yarn_truncate_not_bool", "linear_no_factor",
+        "llama3_missing_key"])
+def test_bad_rope_parameters_name_the_key(rope, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **SHAPE,
+                                    "rope_parameters": rope})
+
+
+@pytest.mark.parametrize("rope, max_pos, limit", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 40960,
+     131072),  # Qwen3's recipe: served to factor x the original length, as vLLM does
+    ({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}, 163840,
+     163840),
+    ({"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096}, 8192,
+     8192),  # never below max_position_embeddings
+    ({"rope_type": "linear", "factor": 4.0}, 8192, 8192),
+])
+def test_yarn_extends_the_position_limit(rope, max_pos, limit):
+    cfg = ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], **SHAPE,
+                                      "rope_parameters": rope,
+                                      "max_position_embeddings": max_pos})
+    assert cfg.max_positions == limit
+    assert model_len_limit(cfg, limit) == limit
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} exceeds the model's "
+                                         f"limit of {limit} positions"):
+        model_len_limit(cfg, limit + 1)

@@ -5,7 +5,7 @@ equal those of transformers' own load of the same folder.
 Covered: attention biases (q/k/v and o_proj with ``attention_bias`` on Llama, Qwen3,
 Qwen3-MoE and OLMoE; q/k/v only on Qwen2 and Qwen2-MoE; none on Mistral and Mixtral
 whatever the config says), defaults of omitted keys (Mixtral's rope_theta 1e6),
-``rope_parameters`` without a theta, a zero-width Qwen2-MoE shared expert, Mixtral and
+``rope_parameters`` without a theta, YaRN RoPE, a zero-width Qwen2-MoE shared expert, Mixtral and
 OLMoE ignoring ``decoder_sparse_step``/``mlp_only_layers``, omitted ``num_key_value_heads``
 and ``head_dim``, ``mlp_bias`` ignored outside Llama, and which ``sliding_window`` settings
 make transformers slide some layer.
@@ -51,6 +51,24 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], tuple[bool, bool]]] 
     "mixtral_rope_parameters_default_theta": (
         "mixtral", {}, {**NO_ROPE, "rope_parameters": {"rope_type": "linear", "factor": 4.0}},
         (False, False)),
+    # YaRN: NTK-by-parts frequencies and the attention factor on cos/sin; the prompt runs
+    # past the original length. Its options: DeepSeek's mscale ratio, no truncation,
+    # custom betas; a null factor (max_position_embeddings over the original length);
+    # an explicit attention factor.
+    "qwen3_yarn": ("qwen3", {}, {**NO_ROPE, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "rope_theta": 1e4}}, (False, False)),
+    "llama_yarn_mscale_untruncated": ("llama3", {}, {**NO_ROPE, "rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+        "beta_fast": 8, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
+        "truncate": False, "rope_theta": 500.0}}, (False, False)),
+    "qwen2_yarn_null_factor": ("qwen2", {}, {**NO_ROPE, "rope_scaling": {
+        "type": "yarn", "factor": None, "original_max_position_embeddings": 64},
+        "rope_theta": 1e4}, (False, True)),
+    # (head_dim explicit: transformers' YaRN needs it on Mixtral, where it may be null.)
+    "mixtral_yarn_attention_factor": ("mixtral", {"head_dim": 16}, {**NO_ROPE, "rope_parameters": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 24,
+        "attention_factor": 1.3}}, (False, False)),
     # transformers builds a zero-width shared expert (output 0): nothing to load.
     "qwen2_moe_shared_expert_0": ("qwen2_moe", {"shared_expert_intermediate_size": 0}, {},
                                   (False, True)),
