@@ -18,7 +18,8 @@ def load_tokenizer(path: str) -> Any:
     if full.endswith(".gguf"):
         if not os.path.isfile(full):
             raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-        return _load_gguf_tokenizer(full)
+        st = os.stat(full)  # a file rewritten in place is a new tokenizer
+        return _load_gguf_tokenizer(full, st.st_mtime_ns, st.st_size)
     if not os.path.isdir(full):
         raise FileNotFoundError(f"tokenizer path {path!r} is neither a folder nor a .gguf file")
     from transformers import AutoTokenizer
@@ -30,7 +31,7 @@ def load_tokenizer(path: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_gguf_tokenizer(path: str) -> Any:
+def _load_gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
     from deepinfer.loading.gguf_reader import open_gguf
 
     tok = byte_level_tokenizer_from_gguf(open_gguf(path).metadata)
@@ -52,7 +53,9 @@ def byte_level_tokenizer_from_gguf(meta: dict[str, Any]) -> Any | None:
 
     The result is what transformers builds for such a file: BPE over the file's tokens
     and merges, GPT-2's byte-level pre-tokenizer and decoder, the control tokens as
-    special tokens, and the chat template and BOS/EOS/UNK/PAD tokens it names."""
+    special tokens (those spelled in the byte alphabet: another spelling is a mislabel),
+    the user-defined ones (``<think>``) as plain added tokens, both matched whole as
+    llama.cpp does, and the chat template and BOS/EOS/UNK/PAD tokens it names."""
     if (meta.get("tokenizer.ggml.model") != "gpt2"
             or meta.get("tokenizer.ggml.pre", "default") not in _GPT2_DEFAULT_SPLIT
             or meta.get("tokenizer.ggml.add_bos_token", False)
@@ -73,9 +76,12 @@ def byte_level_tokenizer_from_gguf(meta: dict[str, Any]) -> Any | None:
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
     types = meta.get("tokenizer.ggml.token_type") or []
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == _CONTROL]
-    tk.add_special_tokens(control)
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types)
+                           if ty == _CONTROL and set(t) <= alphabet])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -87,8 +93,10 @@ def byte_level_tokenizer_from_gguf(meta: dict[str, Any]) -> Any | None:
         chat_template=meta.get("tokenizer.chat_template"))
 
 
-# llama.cpp token type of control tokens (<|im_start|>, ...): special, matched whole.
+# llama.cpp token types: control (<|im_start|>, ...), special; user-defined (<think>),
+# not special; both matched whole.
 _CONTROL = 3
+_USER_DEFINED = 4
 # Pre-tokenizer names for which a byte-level vocabulary uses GPT-2's own split rule.
 _GPT2_DEFAULT_SPLIT = frozenset({"default", "gpt2", "smollm"})
 

@@ -96,3 +96,53 @@ def test_gguf_metadata_of_another_kind_is_left_to_transformers():
     for change in ({"tokenizer.ggml.model": "llama"}, {"tokenizer.ggml.pre": "qwen2"},
                    {"tokenizer.ggml.add_bos_token": True}):
         assert byte_level_tokenizer_from_gguf({**base, **change}) is None, change
+
+
+def _write_tokenizer_gguf(path, meta, tokens, types) -> None:
+    """A GGUF holding only a byte-level tokenizer: ``meta``'s merges and BOS/EOS, the
+    given tokens and token types."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_user_defined_tokens_stay_whole_as_in_transformers(smollm2_path, tmp_path):
+    """llama.cpp's user-defined tokens (type 4, ``<think>``) are matched whole, as plain
+    added tokens; a control token spelled outside the byte alphabet is a mislabel that
+    transformers skips, and so do we. A file rewritten in place is read again."""
+    from transformers import AutoTokenizer
+
+    from deepinfer.loading.gguf_reader import open_gguf
+
+    meta = open_gguf(smollm2_path).metadata
+    tokens = list(meta["tokenizer.ggml.tokens"]) + ["<think>", "</think>", "<｜bad｜>"]
+    types = list(meta["tokenizer.ggml.token_type"]) + [4, 4, 3]
+    path = tmp_path / "t.gguf"
+    _write_tokenizer_gguf(path, meta, tokens, types)
+    ours = load_tokenizer(str(path))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    think = len(tokens) - 3
+    for text in ["Let me <think> about it</think> ok", "<think><think>", "a<｜bad｜>b",
+                 "<|im_start|>user\n<think>x</think><|im_end|>"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip), text
+    assert think in ours.encode("Let me <think> about it", add_special_tokens=False)
+    assert think not in ours.all_special_ids  # not special: kept by skip_special_tokens
+
+    _write_tokenizer_gguf(path, meta, tokens[:-3], types[:-3])  # the same path, rewritten
+    assert think not in load_tokenizer(str(path)).encode("<think>", add_special_tokens=False)
