@@ -141,16 +141,14 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face "
                                     f"checkpoint folder)")
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = read_json_object(path)
         gen_path = os.path.join(folder, "generation_config.json")
-        gen = None
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
+        gen = read_json_object(gen_path) if os.path.isfile(gen_path) else None
         try:
             return cls.from_hf_config(cfg, gen)
-        except (KeyError, ValueError) as e:
+        except KeyError as e:
+            raise ValueError(f"{path}: missing key {e}") from e
+        except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
 
     @classmethod
@@ -173,8 +171,14 @@ class ModelConfig:
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{gguf_arch}.{key}", default)
 
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
+        def need(key: str) -> int:
+            value = get(key)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {gguf_arch}.{key}")
+            return int(value)
+
+        hidden = need("embedding_length")
+        num_heads = need("attention.head_count")
         num_kv = get("attention.head_count_kv") or num_heads
         scaling = None
         stype = get("rope.scaling.type")
@@ -185,14 +189,16 @@ class ModelConfig:
         vocab = get("vocab_size") or vocab_size
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens", []))
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        # llama.cpp ends generation on the end-of-turn / end-of-message ids too: Llama 3
+        # instruct files name <|eot_id|> there.
+        eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=need("feed_forward_length"),
+            num_layers=need("block_count"),
             num_heads=num_heads,
             num_kv_heads=int(num_kv),
             head_dim=int(get("attention.key_length") or hidden // num_heads),
@@ -205,7 +211,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=() if eos is None else (int(eos),),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
             torch_dtype=torch.float16,
         )
 
@@ -246,3 +252,16 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
                          "true or false")
     if rope_type == "yarn" and float(scaling["factor"]) < 1:
         raise ValueError(f"rope scaling 'yarn': factor={scaling['factor']!r} must be >= 1")
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in file ``path``; ``ValueError`` naming the file if it is not
+    valid JSON or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -115,10 +115,10 @@ def hf_config_fields(cfg: dict[str, Any],
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     return dict(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_count(arch, "vocab_size", cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        intermediate_size=_count(arch, "intermediate_size", cfg["intermediate_size"]),
+        num_layers=_count(arch, "num_hidden_layers", cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=_hf_count(arch, cfg, "num_key_value_heads", num_heads),
         head_dim=_hf_count(arch, cfg, "head_dim", hidden // num_heads),

@@ -45,6 +45,10 @@ class GGUFTensor:
     data: np.ndarray
 
 
+class BadGGUF(ValueError):
+    """A file that is not a GGUF file deepinfer reads; ``GGUFFile`` adds the path."""
+
+
 class GGUFFile:
     """An opened GGUF file: ``metadata`` (key -> int, float, bool, str or list) and
     ``tensors`` in file order. Raises ``ValueError`` naming the file when it is not a
@@ -52,19 +56,21 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        buf = memoryview(self._map)
         try:
-            self.metadata, self.tensors = self._parse(buf)
-        except (struct.error, IndexError, UnicodeDecodeError) as e:
+            self._map = np.memmap(path, dtype=np.uint8, mode="r")  # an empty file fails
+            self.metadata, self.tensors = self._parse(memoryview(self._map))
+        except BadGGUF as e:
+            raise ValueError(f"{path}: {e}") from None
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+            # numpy and struct on a file cut short or corrupt: name the file.
             raise ValueError(f"{path}: not a valid GGUF file ({e})") from None
 
     def _parse(self, buf: memoryview) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if bytes(buf[:4]) != _MAGIC:
-            raise ValueError(f"{self.path}: not a GGUF file (bad magic)")
+            raise BadGGUF("not a GGUF file (bad magic)")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version < 2:
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (>= 2)")
+            raise BadGGUF(f"GGUF version {version} is not supported (>= 2)")
         pos = 24
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
@@ -82,24 +88,28 @@ class GGUFFile:
             infos.append((name, dims, ttype, offset))
         align = int(metadata.get("general.alignment", 32))
         start = -(-pos // align) * align
-        tensors = [GGUFTensor(name, dims, ttype, self._tensor_data(start + off, dims, ttype))
+        tensors = [GGUFTensor(name, dims, ttype,
+                              self._tensor_data(name, start + off, dims, ttype))
                    for name, dims, ttype, off in infos]
         return metadata, tensors
 
-    def _tensor_data(self, offset: int, dims: np.ndarray, ttype: int) -> np.ndarray:
-        qtype = GGMLQuantizationType(ttype)
+    def _tensor_data(self, name: str, offset: int, dims: np.ndarray,
+                     ttype: int) -> np.ndarray:
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise BadGGUF(f"tensor {name!r} has unknown ggml type id {ttype}") from None
         block, type_size = GGML_QUANT_SIZES[qtype]
         rows = tuple(int(d) for d in reversed(dims[1:].tolist()))
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
-            n = int(np.prod(dims))
-            return self._map[offset:offset + n * type_size].view(dtype).reshape(
-                *rows, int(dims[0]))
         row_bytes = int(dims[0]) // block * type_size
         n = int(np.prod(rows, dtype=np.int64)) * row_bytes
         if offset + n > self._map.shape[0]:
-            raise ValueError(f"{self.path}: tensor data runs past the end of the file")
-        return self._map[offset:offset + n].reshape(*rows, row_bytes)
+            raise BadGGUF(f"tensor {name!r}'s data runs past the end of the file (cut short?)")
+        data = self._map[offset:offset + n]
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
+            return data.view(dtype).reshape(*rows, int(dims[0]))
+        return data.reshape(*rows, row_bytes)
 
 
 def _string(buf: memoryview, pos: int) -> tuple[str, int]:
@@ -115,7 +125,7 @@ def _value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
         fmt = _SCALARS[vtype]
         return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
     if vtype != _ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype}")
+        raise BadGGUF(f"unknown GGUF value type {vtype}")
     etype, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
     if etype in _NUMPY:  # numbers: one frombuffer, not one object per element

@@ -177,7 +177,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
-                         f"{', '.join(m.split('#')[0] for m in missing[:3])}")
+                         f"{', '.join(model.checkpoint_name(m) for m in missing[:3])}")
     return model.eval(), cfg
 
 

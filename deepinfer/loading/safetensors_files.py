@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,13 +41,30 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
+@contextlib.contextmanager
+def open_shard(path: str) -> Iterator[Any]:
+    """``safe_open`` on one shard; a file that is not valid safetensors (cut short,
+    empty, another format) is a ``ValueError`` naming it."""
+    try:
+        f = safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, or OSError for an unreadable header
+        raise ValueError(f"{path}: not a valid safetensors file ({e})") from None
+    with f:
+        yield f
+
+
 def count_tensors(files: list[str]) -> int:
-    """Number of tensors over all shards (reads headers only)."""
-    total = 0
+    """Number of tensors over all shards (reads headers only). A tensor stored in two
+    shards is a ``ValueError`` naming both: which copy to load would be a guess."""
+    seen: dict[str, str] = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            total += len(f.keys())
-    return total
+        with open_shard(path) as f:
+            for name in f.keys():
+                other = seen.setdefault(name, path)
+                if other != path:
+                    raise ValueError(f"checkpoint tensor {name!r} is stored twice: in "
+                                     f"{other} and {path}")
+    return len(seen)
 
 
 #: ``name ->`` the part of a tensor to read: a :class:`Shard` (its whole size checked
@@ -66,7 +85,7 @@ def iter_safetensors(files: list[str], shard: ShardFn | None = None
     ``ValueError`` naming it (:func:`check_shard_source`), from the header alone.
     """
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_shard(path) as f:
             for name in f.keys():
                 cut = shard(name) if shard is not None else None
                 if cut is None:

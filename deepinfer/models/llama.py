@@ -16,6 +16,7 @@ weight loading only has to handle the fused projections.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -222,11 +223,13 @@ class LlamaForCausalLM(nn.Module):
         page read from it resident) for the model's life."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        stored_head = None
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints still store a copy of the embedding
+                stored_head = tensor  # tied: usually a copy of the embedding (checked below)
+                continue
             name = canonical_moe_name(name)
             if is_absent_shared_expert_tensor(name, tensor, self.config, params):
                 continue
@@ -253,7 +256,49 @@ class LlamaForCausalLM(nn.Module):
             else:
                 dst.copy_(tensor)
             loaded.add(target if offset is None else f"{target}#{offset}")
+        if stored_head is not None and self._untie_if_different(stored_head):
+            loaded.add("lm_head.weight")
         return loaded
+
+    def _untie_if_different(self, head: torch.Tensor) -> bool:
+        """A tied config whose checkpoint also stores an ``lm_head.weight`` that is not
+        the embedding: transformers then unties them and uses the stored head; so do
+        we (this rank's vocabulary shard decides for itself: where they are equal, the
+        logits are the same either way). Returns whether it untied them."""
+        emb = self.model.embed_tokens.weight
+        if tuple(head.shape) != tuple(emb.shape):
+            raise ValueError(f"checkpoint tensor 'lm_head.weight': shape {tuple(head.shape)}, "
+                             f"expected {tuple(emb.shape)}")
+        if torch.equal(head.to(device=emb.device, dtype=emb.dtype), emb):
+            return False
+        warnings.warn("tie_word_embeddings is set but the checkpoint's lm_head.weight "
+                      "differs from the embedding: using it untied, as transformers does",
+                      stacklevel=2)
+        self.lm_head = Linear(emb.shape[1], emb.shape[0], bias=False,
+                              device=emb.device, dtype=emb.dtype).requires_grad_(False)
+        self.lm_head.weight.copy_(head)
+        return True
+
+    def checkpoint_name(self, key: str) -> str:
+        """A key of :meth:`expected_weight_keys` as a checkpoint names the tensor (the
+        fused q/k/v and gate/up parts, stacked experts by index)."""
+        name, *parts = key.split("#")
+        if not parts:
+            return name
+        offsets = [int(p) for p in parts]
+        if ".qkv_proj." in name:
+            q = self.model.layers[0].self_attn.q_size
+            proj = "q_proj" if offsets[0] == 0 else "k_proj" if offsets[0] == q else "v_proj"
+            return name.replace(".qkv_proj.", f".{proj}.")
+        if ".gate_up_proj." in name:
+            proj = "gate_proj" if offsets[0] == 0 else "up_proj"
+            return name.replace(".gate_up_proj.", f".{proj}.")
+        stem, expert = name.rsplit(".", 1)[0], offsets[0]
+        if name.endswith(".w13"):
+            proj = "gate_proj" if offsets[1] == 0 else "up_proj"
+        else:
+            proj = "down_proj"
+        return f"{stem}.experts.{expert}.{proj}.weight"
 
     def expected_weight_keys(self) -> set[str]:
         """Keys ``load_weights`` must report for the model to be complete."""

@@ -142,11 +142,11 @@ def test_hf_config_v4_layout_and_generation_eos():
 
 
 def test_unsupported_rope_type_names_it():
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
         ModelConfig.from_hf_config(
             {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-             "rope_scaling": {"type": "yarn", "factor": 4.0}})
+             "num_key_value_heads": 2, "rope_scaling": {"type": "longrope", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
@@ -180,3 +180,111 @@ def test_cpu_bf16_flags():
     assert cpu_flags_have_bf16(amd) and cpu_flags_have_bf16(intel_amx)
     assert not cpu_flags_have_bf16(old) and not cpu_flags_have_bf16(arm)
     assert not cpu_flags_have_bf16("")
+
+
+def _copy_checkpoint(tiny_checkpoints, tmp_path, name: str = "llama3"):
+    dst = tmp_path / name
+    shutil.copytree(tiny_checkpoints[name].path, dst)
+    return dst
+
+
+def test_bad_config_files_name_the_file_and_key(tiny_checkpoints, tmp_path):
+    dst = _copy_checkpoint(tiny_checkpoints, tmp_path)
+    good = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text('{"vocab_size": 300,')
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        load_model(str(dst))
+    (dst / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, got list"):
+        load_model(str(dst))
+    for key in ("intermediate_size", "vocab_size", "num_hidden_layers"):
+        (dst / "config.json").write_text(json.dumps({**good, key: None}))
+        with pytest.raises(ValueError, match=rf"config\.json: LlamaForCausalLM: {key}=None "
+                                             "must be a positive integer"):
+            load_model(str(dst))
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in good.items()
+                                                 if k != "vocab_size"}))
+    with pytest.raises(ValueError, match=r"config\.json: missing key 'vocab_size'"):
+        load_model(str(dst))
+    (dst / "config.json").write_text(json.dumps(good))
+    (dst / "generation_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"generation_config\.json: not valid JSON"):
+        load_model(str(dst))
+
+
+def test_bad_safetensors_shards_are_named(tiny_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    dst = _copy_checkpoint(tiny_checkpoints, tmp_path)
+    weights = dst / "model.safetensors"
+    tensors = load_file(str(weights))
+    # A tensor missing: named as the checkpoint names it, not as the fused parameter.
+    for drop, named in (("model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj"),
+                        ("model.layers.0.self_attn.v_proj.weight",
+                         "model.layers.0.self_attn.v_proj")):
+        save_file({k: v for k, v in tensors.items() if k != drop}, str(weights))
+        with pytest.raises(ValueError, match=rf"lacks 1 weight\(s\), e\.g\. {named}\.weight$"):
+            load_model(str(dst))
+    # Two unindexed shards both holding model.norm.weight: which one wins is not guessed.
+    weights.unlink()
+    save_file(tensors, str(dst / "model-00001.safetensors"))
+    save_file({"model.norm.weight": torch.zeros(64)}, str(dst / "model-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is stored twice: in "
+                                         r".*model-00001\.safetensors and .*model-extra"):
+        load_model(str(dst))
+    (dst / "model-extra.safetensors").unlink()
+    whole = (dst / "model-00001.safetensors").read_bytes()
+    for cut in (whole[: len(whole) // 2], whole[:7], b""):  # cut short, header cut, empty
+        (dst / "model-00001.safetensors").write_bytes(cut)
+        with pytest.raises(ValueError, match=r"model-00001\.safetensors: not a valid "
+                                             "safetensors file"):
+            load_model(str(dst))
+
+
+def test_bad_gguf_files_name_the_file_and_tensor(tmp_path):
+    from deepinfer.loading.gguf_reader import GGUFFile
+
+    path = tmp_path / "tiny.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(256)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal(
+        (4, 256), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    whole = path.read_bytes()
+    # Required metadata missing (this file has no feed_forward_length): named.
+    with pytest.raises(ValueError, match="GGUF metadata lacks llama.feed_forward_length"):
+        load_model(str(path))
+    for cut in (100, 1):  # the last tensor's data cut short, even by one byte
+        path.write_bytes(whole[:-cut])
+        with pytest.raises(ValueError, match=rf"{path}: tensor 'token_embd.weight''s data "
+                                             "runs past the end of the file"):
+            GGUFFile(str(path))
+    for short in (whole[:40], b""):  # inside the metadata; empty
+        path.write_bytes(short)
+        with pytest.raises(ValueError, match=rf"{path}: not a valid GGUF file"):
+            GGUFFile(str(path))
+    # An unknown tensor type id: the 4 bytes after the name, its ndim and 2 dims.
+    name = b"token_embd.weight"
+    at = whole.index(name) + len(name) + 4 + 2 * 8
+    assert int.from_bytes(whole[at:at + 4], "little") == GGMLQuantizationType.F32
+    path.write_bytes(whole[:at] + (99).to_bytes(4, "little") + whole[at + 4:])
+    with pytest.raises(ValueError, match=rf"{path}: tensor 'token_embd.weight' has unknown "
+                                         "ggml type id 99"):
+        GGUFFile(str(path))
+
+
+def test_gguf_end_of_turn_ids_end_generation():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 8,
+            "llama.attention.head_count": 2, "llama.feed_forward_length": 16,
+            "llama.block_count": 1, "tokenizer.ggml.eos_token_id": 128001,
+            "tokenizer.ggml.eot_token_id": 128009, "tokenizer.ggml.eom_token_id": 128008}
+    cfg = ModelConfig.from_gguf_metadata(meta, vocab_size=128256)
+    assert cfg.eos_token_ids == (128001, 128009, 128008)
+    meta["tokenizer.ggml.eot_token_id"] = 128001  # the same id once
+    del meta["tokenizer.ggml.eom_token_id"]
+    assert ModelConfig.from_gguf_metadata(meta, vocab_size=128256).eos_token_ids == (128001,)

@@ -161,3 +161,30 @@ def test_sliding_window_where_transformers_slides(case, tmp_path):
     want = hf_logits(hf, PROMPT)
     torch.testing.assert_close(got[:8], want[:8], atol=ATOL, rtol=0)
     assert torch.allclose(got, want, atol=ATOL, rtol=0) != slides
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_config_with_a_stored_head_as_transformers(same, tmp_path):
+    """``tie_word_embeddings`` set and an ``lm_head.weight`` stored too: a copy of the
+    embedding is skipped; a different one is used untied (with a warning), as
+    transformers does."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    save_hf_checkpoint(tiny_config("llama_tied"), str(tmp_path), 5100, reference=False)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    emb = tensors["model.embed_tokens.weight"]
+    head = emb.clone() if same else torch.randn(emb.shape, generator=torch.Generator()
+                                                .manual_seed(5101))
+    save_file({**tensors, "lm_head.weight": head}, str(weights), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, cfg = load_model(str(tmp_path), dtype="float32", device="cpu")
+    untied = [w for w in caught if "differs from the embedding" in str(w.message)]
+    assert (model.lm_head is None, len(untied)) == ((True, 0) if same else (False, 1))
+    got = PagedSim(cfg, num_blocks=16, block_size=4).step(model, {0: PROMPT}, True)
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=ATOL, rtol=0)
