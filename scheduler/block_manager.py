@@ -23,7 +23,8 @@ ROOT_HASH = hash(("deepinfer-prefix-root",))
 
 
 def chain_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's chain hash (deterministic across ranks)."""
+    """Hash of a full block given its parent's chain hash. Python's ``hash`` of a tuple
+    holding a str varies per process: keys are only compared within one process."""
     return hash((parent_hash, tokens))
 
 
@@ -128,17 +129,27 @@ class BlockPool:
             parent = (b, self._gen[b])
         return out
 
-    def register(self, b: int, h: int, tokens: tuple[int, ...], parent_block: int) -> None:
-        """Record full block ``b`` (whose parent in its sequence is ``parent_block``, -1
-        for the first block) under chain hash ``h``. A block already cached, or a hash
-        already held by another block, is left as it is."""
-        if not self.enable_caching or self._hash[b] is not None or h in self._cached:
-            return
-        self._hash[b] = h
-        self._tokens[b] = tokens
-        self._parent[b] = None if parent_block < 0 else (parent_block,
-                                                          self._gen[parent_block])
-        self._cached[h] = b
+    def register(self, b: int, h: int, tokens: tuple[int, ...], parent_block: int) -> int:
+        """Record full block ``b`` (whose parent in the cached chain is ``parent_block``,
+        -1 for the first block) under chain hash ``h``; returns the block the chain goes
+        on from: the one that already holds ``h`` with these tokens after the same parent
+        (another sequence computed the same prefix in the same step), else ``b``. A block
+        already cached, or a hash held by a block of another chain, is left as it is."""
+        if not self.enable_caching:
+            return b
+        parent = None if parent_block < 0 else (parent_block, self._gen[parent_block])
+        owner = self._cached.get(h)
+        if owner is not None:
+            # Chaining on through the owner keeps the next blocks reachable by lookup,
+            # which walks the cached chain.
+            same = self._tokens[owner] == tokens and self._parent[owner] == parent
+            return owner if same else b
+        if self._hash[b] is None:
+            self._hash[b] = h
+            self._tokens[b] = tokens
+            self._parent[b] = parent
+            self._cached[h] = b
+        return b
 
     # ------------------------------------------------------------------ checks
     def check(self, references: dict[int, int]) -> None:

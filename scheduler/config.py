@@ -39,8 +39,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
-    # Every decode step is an ALL point by default: one rank prefills as soon as it has
-    # work; in DP the ANY points bound how long an isolated rank's prompt waits.
+    # Every decode step is an ALL point by default: a lone rank prefills as soon as it has
+    # work; in DP that needs every rank to want it, and the ANY points bound how long an
+    # isolated rank's prompt waits.
     prefill_attempt_interval: int = 1
     prefill_any_attempt_interval: int = 8
     prefill_watermark: float = 0.95

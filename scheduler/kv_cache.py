@@ -184,9 +184,7 @@ class KVCache:
             else:
                 h = chain_hash(hashes[i - 1] if i else ROOT_HASH, toks)
                 hashes.append(h)
-            b = block(slot, i)
-            register(b, h, toks, parent)
-            parent = b
+            parent = register(block(slot, i), h, toks, parent)
         seq.num_registered = nfull
 
     # ------------------------------------------------------------------ checks

@@ -20,6 +20,9 @@ def validate_request(config: SchedulerConfig, request_id: str, prompt: list[int]
     rid = request_id
     c = config
     if outputs is None:
+        if c.engine_type is EngineType.COMPLETION:  # it would wait forever: never prefills
+            raise ValueError(f"request {rid!r}: a COMPLETION engine only decodes sequences "
+                             "prefilled elsewhere (add_prefilled), not new requests")
         if not prompt:
             raise ValueError(f"request {rid!r}: empty prompt (prompt_token_ids has no tokens)")
         if not isinstance(max_tokens, int) or max_tokens < 1:

@@ -8,9 +8,8 @@ cache), ``state_manager`` (slots and their host rows), ``batch`` (launch tensors
 ``samples`` (applying sampled tokens), ``handoff`` (PD export/import), ``registry``
 (live sequences, request validation).
 
-A decode step over B sequences is a few vectorized gathers of per-slot numpy rows plus
-Python work only for sequences that need a new block, a copy-on-write or a finish.
-"""
+A decode step over B sequences: vectorized gathers of per-slot numpy rows, and Python
+work only where a sequence needs a new block, a copy-on-write or a finish."""
 
 from __future__ import annotations
 
@@ -134,9 +133,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self._handoffs.pending)
 
     def has_unfinished_dp(self) -> bool:
-        """Whether any rank of the DP group has unfinished work (one all-reduce; every
-        rank must call it at the same point of its loop). A rank with no work keeps
-        stepping (empty batches) until this says the whole group is done."""
+        """Whether any rank of the DP group has unfinished work (one all-reduce, called by
+        every rank at the same point; a rank with no work steps empty batches until then)."""
         with self._lock:
             return self.voter.allreduce_min(0 if self.has_unfinished() else 1) == 0
 
@@ -152,9 +150,7 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    # ================================================================== hand-off
-    # Disaggregated prefill/decode: export (PROMPT engine) and import (COMPLETION engine)
-    # of prefilled sequences. Semantics and credits: scheduler.handoff.
+    # ============ hand-off: PD export (PROMPT) / import (COMPLETION); see scheduler.handoff
 
     @property
     def num_handoffs(self) -> int:
@@ -258,9 +254,8 @@ class Scheduler:
         return self._start_prefill(sched)
 
     def _start_prefill(self, sched: list[tuple[Sequence, int, int]]) -> SchedulerOutputs:
-        """Sequences whose prompt completes in this step move to running (they are at the
-        head of waiting, in order) and sample; a group with n > 1 forks its children
-        here. Then the launch batch."""
+        """Sequences whose prompt completes in this step move to running (from the head of
+        waiting, in order) and sample, forking n > 1 groups; then the launch batch."""
         seqs = [s for s, _, _ in sched]
         slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
         sample_seqs: list[Sequence] = []
@@ -301,11 +296,12 @@ class Scheduler:
         slots = self._running_slots()
         ntok = states.num_tokens[slots]
         full = ntok >= states.max_len[slots]
+        ending: list[Sequence] = []
         if full.any():
             # Their last token is still in flight and ends them (length): no step more.
-            keep = np.flatnonzero(~full)
-            seqs = [seqs[i] for i in keep.tolist()]
-            slots, ntok = slots[keep], ntok[keep]
+            ending = [seqs[i] for i in np.flatnonzero(full).tolist()]
+            seqs = [seqs[i] for i in np.flatnonzero(~full).tolist()]
+            slots, ntok = slots[~full], ntok[~full]
             if not seqs:
                 return self._empty(False)
         else:
@@ -313,7 +309,7 @@ class Scheduler:
         pos = ntok - 1
         bidx, tgt, todo = kv.decode_targets(slots, pos)
         if todo.size:  # rows that need a new block or a copy-on-write first
-            nb = self._reserve_decode(seqs, todo.tolist())
+            nb = self._reserve_decode(seqs, todo.tolist(), ending)
             if nb == 0:
                 return self._empty(False)
             if nb < slots.shape[0]:
@@ -324,41 +320,45 @@ class Scheduler:
         states.advance(slots)
         return self._outputs(False, seqs, seqs, batch, slots)
 
-    def _reserve_decode(self, seqs: list[Sequence], todo: list[int]) -> int:
+    def _reserve_decode(self, seqs: list[Sequence], todo: list[int],
+                        ending: list[Sequence]) -> int:
         """Give rows ``todo`` of ``seqs`` (this step's running sequences) their next block
-        (new or copy-on-write), preempting from the tail of ``seqs`` when the pool is
-        empty. Returns how many remain (a prefix of ``seqs``)."""
+        (new or copy-on-write), preempting when the pool is empty: a cut prompt, then
+        ``ending`` (left out of the step: their last token is in flight, they lose
+        nothing), then the tail of ``seqs``. Returns how many remain (a prefix)."""
         kv = self.kv_cache
         num_tokens = self.state_manager.num_tokens
         end = len(seqs)
+        preempted = False
         for i in todo:
             if i >= end:
                 break
             seq = seqs[i]
             while not kv.make_writable(seq.slot, int(num_tokens[seq.slot]) - 1):
-                if self._partial is not None:
-                    # A cut prompt was admitted last: it goes first.
-                    self._preempt_partial()
-                    continue
-                end -= 1
-                victim = seqs[end]
-                self._release(victim)
-                victim.status = _WAITING
-                self.waiting.appendleft(victim)
-                self.stats.num_preemptions += 1
+                # A cut prompt was admitted last: it goes first. A sequence of
+                # ``ending`` still gets its in-flight token (update's per-row path).
+                preempted = preempted or self._partial is None
+                victim = self._partial or (ending.pop() if ending else None)
+                if victim is None:
+                    end -= 1
+                    victim = seqs[end]
+                self._preempt(victim)
                 if victim is seq:
                     break
-        if end < len(seqs):
+        if preempted:
             self.running = [s for s in self.running if s.status is _RUNNING]
             self._run_slots = None
         return end
 
-    def _preempt_partial(self) -> None:
-        seq = self._partial
-        assert seq is not None
-        self._partial = None
-        self._release(seq)  # stays where it is in waiting
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence to recompute (a running one to the head of ``waiting``)."""
+        self._release(seq)
         self.stats.num_preemptions += 1
+        if seq is self._partial:
+            self._partial = None
+            return
+        seq.status = _WAITING
+        self.waiting.appendleft(seq)
 
     # ================================================================== update
     def update(self, out: SchedulerOutputs, sampled_token_ids) -> list[Sequence]:
@@ -391,7 +391,7 @@ class Scheduler:
     @property
     def dropped(self) -> list[Sequence]:
         """Sequences of the last ``update()`` whose token was dropped: they had ended
-        (finished or aborted) after that step was scheduled. Usually empty."""
+        (finished or aborted) after that step was scheduled."""
         return self._samples.dropped
 
     # ================================================================== helpers

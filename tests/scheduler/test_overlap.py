@@ -85,6 +85,37 @@ def test_length_limit_known_at_schedule_time():
     s.check_invariants()
 
 
+def test_out_of_blocks_takes_a_sequence_whose_last_token_is_in_flight_first():
+    """Overlap, no free block: the sequence left out of the step because its in-flight
+    token ends it (admitted last) gives up its blocks before any sequence of the step;
+    it still finishes with that token, and nothing is recomputed (as the plain loop)."""
+    def run(overlapped: bool):
+        s = make(num_blocks=3, block_size=2, max_num_seqs=3, max_num_batched_tokens=16,
+                 max_model_len=8, enable_prefix_caching=False)
+        s.add_request("old", [1, 2], 5)  # its first decode needs a second block
+        s.add_request("new", [3, 4, 5, 6], 1)  # 2 blocks; its prompt-step token is its last
+        runner = FakeRunner(s, by_history=True)
+        if overlapped:
+            out0 = s.schedule()
+            t0 = runner.execute(out0)
+            out1 = s.schedule()  # before update(out0): "new"'s token is in flight
+            assert [q.request_id for q in out1.seqs] == ["old"]
+            fin = s.update(out0, t0)
+            assert [(q.request_id, q.finish_reason) for q in fin] == [("new", "length")]
+            s.update(out1, runner.execute(out1))
+            done, _ = run_overlapped(s, runner)
+        else:
+            done, _ = run_to_completion(s, runner)
+        s.check_invariants()
+        return s.stats, done
+    plain_stats, _ = run(False)
+    stats, done = run(True)
+    assert plain_stats.num_preemptions == 0
+    # "new" gave up its blocks (one preemption, counted) and was never run again.
+    assert stats.num_preemptions == 1 and stats.num_prompt_steps == 1
+    assert [(q.request_id, len(q.output_token_ids)) for q in done] == [("old", 5)]
+
+
 @pytest.mark.parametrize("kind", ["list", "tensor", "ndarray", "tuple"])
 def test_update_takes_ids_as_list_tensor_array_or_iterable(kind):
     """The runner hands ``update()`` a list; a tensor (any shape with S ids), an array or

@@ -83,3 +83,24 @@ def test_repeated_blocks_shared_while_running():
     assert second.blocks[:3] == first.blocks[:3]
     assert len(set(first.blocks[:3])) == 3
     run_to_completion(s, r)
+
+
+def test_prefix_computed_twice_in_one_step_stays_reachable():
+    """Two prompts sharing a system prompt, admitted in one step, each compute it: the
+    second's blocks after the shared part chain on from the first's cached blocks, so a
+    rerun of the second hits all of its full blocks (not only the shared ones), every
+    time."""
+    s = make(num_blocks=64, block_size=BS, max_num_batched_tokens=64)
+    r = FakeRunner(s)
+    system = A + B
+    t, u = system + [9, 9, 9, 9, 0], system + [7, 7, 7, 7, 0]
+    s.add_request("t", t, 1)
+    s.add_request("u", u, 1)
+    out = s.schedule()
+    assert [q.request_id for q in out.seqs] == ["t", "u"]  # one step computes both
+    s.update(out, r.execute(out))
+    run_to_completion(s, r)
+    for i in range(3):
+        assert run_prompt(s, r, f"u{i}", u) == 12, i
+    assert run_prompt(s, r, "t2", t) == 12
+    s.check_invariants()

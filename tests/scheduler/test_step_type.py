@@ -42,13 +42,15 @@ def test_prompt_engine_always_prefills():
 
 def test_completion_engine_always_decodes():
     s = make(engine_type=EngineType.COMPLETION)
-    s.add_request("a", [1, 2, 3], 4)
+    # A new request would wait forever (a COMPLETION engine never prefills): refused.
+    with pytest.raises(ValueError, match="request 'a': a COMPLETION engine only decodes"):
+        s.add_request("a", [1, 2, 3], 4)
     r = FakeRunner(s)
     for i in range(3):
         out = step(s, r)
         assert not out.is_prompt and out.seqs == []
         assert s.decode_step == i + 1
-    assert s.num_waiting == 1
+    assert s.num_waiting == 0 and not s.has_unfinished()
 
 
 def test_normal_points_single_rank():
