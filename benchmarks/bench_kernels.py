@@ -67,7 +67,7 @@ def _time_ms(fn: Callable[[], object]) -> float:
     if IS_CUDA:
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     times = []
     for _ in range(3):
         t0 = time.perf_counter()

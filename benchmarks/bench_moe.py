@@ -59,7 +59,7 @@ def time_ms(fn: Callable[[], object]) -> float:
     if IS_CUDA:
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
     fn()
     times = []
     for _ in range(5):

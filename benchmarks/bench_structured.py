@@ -16,6 +16,9 @@ interleaved and the median is reported.
     python benchmarks/bench_structured.py                      # default model, batch 16 on CPU
     python benchmarks/bench_structured.py --batch 64 --reps 3  # the issue's GPU case
     python benchmarks/bench_structured.py --save               # results/structured-<device>.*
+    python benchmarks/bench_structured.py --save-to DIR        # the same files in DIR
+
+Saved files are rewritten after each round, so a run cut short keeps the rounds it did.
 
 The ``test_`` function at the bottom runs a tiny model through it (no timing assertion).
 """
@@ -30,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,12 +80,16 @@ def timed(llm, prompts: list[list[int]], params) -> tuple[float, int, list]:
     return dt, sum(len(c.token_ids) for o in outs for c in o.outputs), outs
 
 
-def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
+def measure(llm, batch: int, max_tokens: int, reps: int,
+            on_round: Callable[[dict], object] | None = None) -> dict:
     """The figures of one configuration: compile (warm-up) seconds, then per mode the
     median seconds and tokens/s over ``reps`` interleaved rounds, and how many
-    constrained outputs were complete, valid JSON (``finish_reason "stop"``)."""
+    constrained outputs were complete, valid JSON (``finish_reason "stop"``).
+    ``on_round`` gets the figures of the rounds done so far after each round."""
     from deepinfer import SamplingParams, StructuredOutputsParams
 
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
     so = StructuredOutputsParams(json=SCHEMA)
     prompts = prompts_for(llm, batch)
     t0 = time.perf_counter()
@@ -127,15 +135,25 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> dict:
                 engine.structured.fill_threads = threads
             times[mode].append(dt)
             tokens[mode] = n
-    rows = {m: {"seconds": statistics.median(times[m]), "tokens": tokens[m],
-                "tok_s": tokens[m] / statistics.median(times[m])} for m in modes}
-    i = times["constrained"].index(statistics.median(times["constrained"]))
+        res = _figures(times, tokens, (fill_s, fill_steps, fill_rows), threads)
+        res = {"batch": batch, "max_tokens": max_tokens, "reps": r + 1,
+               "compile_warmup_s": warmup, "valid_outputs": valid, **res}
+        if on_round is not None:
+            on_round(res)
+    return res
+
+
+def _figures(times: dict[str, list[float]], tokens: dict[str, int],
+             fills: tuple[list[float], list[int], list[int]], threads: int) -> dict:
+    """Per mode the median seconds and tokens/s, and the mask fill of the median
+    constrained run (``median_low``: a round that ran, with an even count too)."""
+    rows = {m: {"seconds": statistics.median(t), "tokens": tokens[m],
+                "tok_s": tokens[m] / statistics.median(t)} for m, t in times.items()}
+    i = times["constrained"].index(statistics.median_low(times["constrained"]))
+    fill_s, fill_steps, fill_rows = fills
     mask = {"seconds": fill_s[i], "steps": fill_steps[i], "rows": fill_rows[i],
-            "threads": engine.structured.fill_threads,
-            "share_of_run": fill_s[i] / times["constrained"][i]}
-    return {"batch": batch, "max_tokens": max_tokens, "reps": reps,
-            "compile_warmup_s": warmup, "valid_outputs": valid, "modes": rows,
-            "mask_fill": mask}
+            "threads": threads, "share_of_run": fill_s[i] / times["constrained"][i]}
+    return {"modes": rows, "mask_fill": mask}
 
 
 def mask_fill_line(res: dict) -> str:
@@ -178,37 +196,48 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--save", action="store_true",
                     help="write benchmarks/results/structured-<device>.{json,md}")
+    ap.add_argument("--save-to", type=Path, default=None, metavar="DIR",
+                    help="write structured-<device>.{json,md} into DIR instead")
     args = ap.parse_args()
     from deepinfer import LLM
 
     llm = LLM(args.model, device=args.device)
     device = llm.engine.device.type
     batch = args.batch or (64 if device == "cuda" else 16)
-    res = measure(llm, batch, args.max_tokens, args.reps)
-    lines = table_lines(res)
-    note = (f"\n\nvalid JSON outputs: {res['valid_outputs']}/{batch}; grammar compile + "
-            f"first constrained request: {res['compile_warmup_s']:.2f} s; median of "
-            f"{args.reps} rounds; {torch.get_num_threads()} threads.\n"
-            f"{mask_fill_line(res)}.")
-    print("\n".join(lines) + note)
-    if args.save:
-        name = "cuda" if device == "cuda" else "cpu"
-        meta = {"commit": git_commit(), "date": utc_now(), "device": device,
-                "device_name": (torch.cuda.get_device_name() if device == "cuda"
-                                else platform.processor() or platform.machine()),
-                "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "model": llm.engine.model_path}
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"structured-{name}.json").write_text(
-            json.dumps({**meta, "schema": SCHEMA, **res}, indent=2) + "\n")
-        head = (f"# Structured output cost ({meta['device_name']}, {device})\n\n"
-                f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
-                f"`python benchmarks/bench_structured.py --save`\n\n"
-                f"model {os.path.basename(meta['model'].rstrip('/'))}; greedy; JSON schema of "
-                f"benchmarks/bench_structured.py; the unconstrained rows generate the "
-                f"constrained run's lengths (ignore_eos).\n\n")
-        (RESULTS / f"structured-{name}.md").write_text(head + "\n".join(lines) + note + "\n")
+    out = args.save_to or (RESULTS if args.save else None)
+    meta = {"commit": git_commit(), "date": utc_now(), "device": device,
+            "device_name": (torch.cuda.get_device_name() if device == "cuda"
+                            else platform.processor() or platform.machine()),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "model": llm.engine.model_path}
+    save = None if out is None else (lambda res: write_results(out, meta, res))
+    res = measure(llm, batch, args.max_tokens, args.reps, on_round=save)
+    print(report(res))
     return 0
+
+
+def report(res: dict) -> str:
+    """The table of ``measure``'s result and the notes under it, in markdown."""
+    return ("\n".join(table_lines(res))
+            + f"\n\nvalid JSON outputs: {res['valid_outputs']}/{res['batch']}; grammar "
+            f"compile + first constrained request: {res['compile_warmup_s']:.2f} s; median "
+            f"of {res['reps']} rounds; {torch.get_num_threads()} threads.\n"
+            f"{mask_fill_line(res)}.")
+
+
+def write_results(out: Path, meta: dict, res: dict) -> None:
+    """``out/structured-{cuda,cpu}.{json,md}``: ``meta`` and ``res`` (``measure``'s)."""
+    name = "cuda" if meta["device"] == "cuda" else "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"structured-{name}.json").write_text(
+        json.dumps({**meta, "schema": SCHEMA, **res}, indent=2) + "\n")
+    head = (f"# Structured output cost ({meta['device_name']}, {meta['device']})\n\n"
+            f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
+            f"`python benchmarks/bench_structured.py --save`\n\n"
+            f"model {os.path.basename(meta['model'].rstrip('/'))}; greedy; JSON schema of "
+            f"benchmarks/bench_structured.py; the unconstrained rows generate the "
+            f"constrained run's lengths (ignore_eos).\n\n")
+    (out / f"structured-{name}.md").write_text(head + report(res) + "\n")
 
 
 def test_bench_structured_smoke(tmp_path):
@@ -221,7 +250,14 @@ def test_bench_structured_smoke(tmp_path):
 
     llm = LLM(make_tiny_checkpoint(str(tmp_path)), dtype="float32", device="cpu",
               max_num_seqs=4, kv_cache_memory=16 << 20)
-    res = measure(llm, batch=3, max_tokens=400, reps=1)
+    saved = []
+    res = measure(llm, batch=3, max_tokens=400, reps=2, on_round=saved.append)
+    assert [r["reps"] for r in saved] == [1, 2] and saved[-1] is res
+    meta = {"commit": "c", "date": "d", "device": "cpu", "device_name": "x", "torch": "t",
+            "model": "m"}
+    write_results(tmp_path / "out", meta, saved[0])  # what a run cut after one round keeps
+    assert "median of 1 rounds" in (tmp_path / "out" / "structured-cpu.md").read_text()
+    assert json.loads((tmp_path / "out" / "structured-cpu.json").read_text())["reps"] == 1
     modes = res["modes"]
     assert set(modes) == {"constrained", "unconstrained"}  # CPU: no overlap by default
     assert modes["constrained"]["tokens"] == modes["unconstrained"]["tokens"] > 0

@@ -29,7 +29,7 @@ from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingTable
 from deepinfer.step_channel import FollowerStep, StepChannel
-from deepinfer.structured.bitmask import TokenMask, apply_token_mask
+from deepinfer.structured.bitmask import BitmaskStaging, TokenMask, apply_token_mask
 
 
 @dataclass
@@ -104,6 +104,7 @@ class ModelRunner:
             self._host_ids = [torch.empty(spec.max_num_seqs, dtype=torch.int64,
                                           pin_memory=True) for _ in range(2)]
         self._host_index = 0
+        self._mask_staging = BitmaskStaging()  # used on CUDA only
         self._captures_graphs = device.type == "cuda" and capture_graphs
         error: Exception | None = None
         if num_blocks is None:
@@ -351,7 +352,7 @@ class ModelRunner:
         """Enqueue the sampling of a step's logits (``[num_samples, V]``) into
         ``slots`` (int64 ``[num_samples]`` on the device) and the ids' copy to the host."""
         if logits_mask is not None:
-            logits = apply_token_mask(logits, logits_mask())
+            logits = apply_token_mask(logits, logits_mask(), self._mask_staging)
         token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states)
         if st.do_repetition or st.do_presence_frequency:
             # Counts only matter to rows with a penalty (a row's params never change, so

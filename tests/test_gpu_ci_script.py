@@ -72,7 +72,7 @@ def test_summary_table_from_every_step(tmp_path):
     (logs / "env.json").write_text(json.dumps({
         "gpu": "NVIDIA H200", "capability": "sm_90", "torch": "2.11", "cuda": "13.0",
         "triton": "3.6.0", "flash_attn": None, "xgrammar": "0.2.9"}))
-    steps = ["env", "kernel-tests", "engine-tests", "kernel-bench", "structured",
+    steps = ["env", "kernel-tests", "engine-tests", "moe-bench", "structured", "kernel-bench",
              "e2e-throughput", "moe-sweep", "compile-grid"]
     (logs / "steps.tsv").write_text("".join(f"{s}\tok\t3\t0\n" for s in steps))
     res = ROOT / "benchmarks" / "results"
@@ -114,8 +114,8 @@ def test_summary_table_from_every_step(tmp_path):
     assert sorted(rows) == sorted(steps)
     assert "decode 2.00x vs sdpa-flash" in rows["kernel-bench"]
     # From bench_moe's file, not the sweep's (which a "moe-*.json" glob also matches).
-    assert ("MoE: qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
-            "M<=16") in rows["kernel-bench"]
+    assert ("qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
+            "M<=16") in rows["moe-bench"]
     assert ("layer elementwise chain fused vs torch: 6.0x at 256 tokens (25% of copy bw)"
             in rows["kernel-bench"])
     assert "temperature sampling fused vs torch: 5.0x at 256x151936" in rows["kernel-bench"]

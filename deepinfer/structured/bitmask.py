@@ -4,6 +4,7 @@ structured output; the host side that fills it is ``deepinfer.structured.matcher
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,22 +21,59 @@ class TokenMask:
     rows: list[int]
 
 
-def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+class BitmaskStaging:
+    """Pinned host copies of the step bitmask, two used in turn, so its upload to a CUDA
+    device never waits for the device.
+
+    A host-to-device copy from pageable memory may wait for the work queued before it on
+    the stream (the forward the host is overlapping with); from pinned memory it is
+    queued and returns at once. Two buffers: the one filled for step k+1 is never the one
+    step k's copy may still be reading (an event recorded after each copy says when its
+    buffer is free again)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[Any] = [None, None]
+        self._next = 0
+
+    def upload(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Queue the copy of ``bitmask`` (host int32 ``[N, W]``) to ``device`` (CUDA) on
+        the current stream; returns the device tensor ``[N, W]``."""
+        i, self._next = self._next, self._next ^ 1
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # two steps ago: long done in practice
+        buf = self._buffers[i]
+        if buf is None or buf.shape[0] < bitmask.shape[0] or buf.shape[1] != bitmask.shape[1]:
+            buf = self._buffers[i] = torch.empty(bitmask.shape, dtype=bitmask.dtype,
+                                                 pin_memory=True)
+        host = buf[: bitmask.shape[0]]
+        host.copy_(bitmask)
+        out = host.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[i] = event
+        return out
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None,
+                     staging: BitmaskStaging | None = None) -> torch.Tensor:
     """Set the disallowed tokens of ``mask.rows`` to -inf on ``logits``' device.
 
     ``logits``: ``[N, V]`` (any float dtype; a non-float32 tensor is cast to a float32
     copy first). Returns the masked float32 logits (``logits`` itself, modified in
-    place, when it was float32); unchanged when ``mask`` is None."""
+    place, when it was float32); unchanged when ``mask`` is None. ``staging``: the
+    caller's pinned buffers for a CUDA ``logits`` (without them the mask is copied from
+    pageable memory, which may wait for the device)."""
     if mask is None or not mask.rows:
         return logits
     import xgrammar as xgr
 
     if logits.dtype != torch.float32:
         logits = logits.float()
-    # non_blocking: a blocking host-to-device copy would wait for the forward enqueued
-    # before it (a stream sync each constrained step). From pageable memory the driver
-    # stages the bytes before returning, so the host may refill the mask right after.
-    bitmask = mask.bitmask.to(logits.device, non_blocking=True)
+    if staging is not None and logits.device.type == "cuda":
+        bitmask = staging.upload(mask.bitmask, logits.device)
+    else:
+        bitmask = mask.bitmask.to(logits.device)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                     indices=mask.rows)
     return logits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.structured.bitmask import TokenMask, apply_token_mask
+from deepinfer.structured.bitmask import BitmaskStaging, TokenMask, apply_token_mask
 
 
 def _case(seed: int, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -54,7 +54,31 @@ def test_masks_on_cuda_without_a_host_sync():
     fresh.copy_(dev)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = apply_token_mask(fresh, TokenMask(bitmask, rows))
+        got = apply_token_mask(fresh, TokenMask(bitmask, rows), BitmaskStaging())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_masks_do_not_wait_for_the_device():
+    """Behind a long kernel (the forward the host overlaps with) each step's mask is
+    queued and the call returns while the device is still busy; two steps in a row use
+    both buffers and each step gets its own mask."""
+    staging = BitmaskStaging()
+    cases = [_case(10 + k, 64, 49152) for k in range(3)]
+    for logits, bitmask, rows in cases[:1]:  # compile xgrammar's kernel first
+        apply_token_mask(logits.cuda(), TokenMask(bitmask, rows), staging)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    outs = []
+    for logits, bitmask, rows in cases:
+        dev = torch.full_like(logits, float("nan"), device="cuda")
+        dev.copy_(logits)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time
+        outs.append(apply_token_mask(dev, TokenMask(bitmask, rows), staging))
+        assert not stream.query(), "the mask's upload waited for the device"
+        bitmask.fill_(0)  # the host refills its mask at once: the upload holds its copy
+    for k, ((logits, _, rows), got) in enumerate(zip(cases, outs)):
+        want = _reference(logits, _case(10 + k, 64, 49152)[1], rows)
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
