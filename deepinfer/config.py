@@ -18,6 +18,7 @@ import torch
 
 from deepinfer.hf_config import (
     GGUF_ARCHITECTURES,
+    GGUF_EXPERT_WEIGHTS_NORM,
     MOE_ARCHITECTURES,
     check_architecture,
     hf_config_fields,
@@ -154,11 +155,16 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, vocab_size: int | None = None,
                            tied: bool = False,
-                           rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+                           rope_freq_factors: tuple[float, ...] | None = None,
+                           dense_layers: tuple[int, ...] = (),
+                           qkv_bias: bool | None = None) -> ModelConfig:
         """Build from GGUF key/values (already decoded to Python values).
 
         ``tied``: the file has no ``output.weight`` (the LM head reuses the embedding).
         ``vocab_size`` falls back to the token list length when the metadata lacks it.
+        ``dense_layers``: the layers of a mixture-of-experts file that have no router
+        (plain MLP). ``qkv_bias``: whether the file has q/k/v biases (None: as the
+        architecture always has them, Qwen2 and Qwen2-MoE).
         """
         gguf_arch = meta.get("general.architecture")
         if gguf_arch not in GGUF_ARCHITECTURES:
@@ -176,6 +182,10 @@ class ModelConfig:
             if value is None:
                 raise ValueError(f"GGUF metadata lacks {gguf_arch}.{key}")
             return int(value)
+
+        if gguf_arch == "llama" and get("expert_count"):
+            arch = "MixtralForCausalLM"
+        moe = gguf_moe_fields(arch, get, need, dense_layers)
 
         hidden = need("embedding_length")
         num_heads = need("attention.head_count")
@@ -208,12 +218,42 @@ class ModelConfig:
             rope_freq_factors=rope_freq_factors,
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings=tied,
-            attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=(arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                            if qkv_bias is None else qkv_bias),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
             torch_dtype=torch.float16,
+            **moe,
         )
+
+
+def gguf_moe_fields(arch: str, get: Any, need: Any, dense_layers: tuple[int, ...]
+                    ) -> dict[str, Any]:
+    """The MoE fields of a GGUF file's :class:`ModelConfig` (``{}`` for a dense ``arch``),
+    from llama.cpp's keys: ``expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length`` (else ``feed_forward_length``, as Mixtral's experts),
+    ``expert_shared_feed_forward_length``, ``expert_weights_norm`` (absent: llama.cpp's
+    choice for the architecture) and OLMoE's ``attention.clamp_kqv``. ``get(key)`` /
+    ``need(key)`` read ``{arch}.{key}`` (``need``: a ``ValueError`` naming it if absent)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    norm = get("expert_weights_norm")
+    out: dict[str, Any] = dict(
+        num_experts=need("expert_count"),
+        num_experts_per_tok=need("expert_used_count"),
+        moe_intermediate_size=int(get("expert_feed_forward_length")
+                                  or need("feed_forward_length")),
+        norm_topk_prob=GGUF_EXPERT_WEIGHTS_NORM[arch] if norm is None else bool(norm),
+        mlp_only_layers=tuple(dense_layers),
+    )
+    if arch == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = int(
+            get("expert_shared_feed_forward_length") or need("feed_forward_length"))
+    if arch == "OlmoeForCausalLM":
+        clip = get("attention.clamp_kqv")
+        out.update(qk_norm_full_width=True, clip_qkv=None if clip is None else float(clip))
+    return out
 
 
 def check_moe_counts(arch: str, num_experts: int, top_k: int) -> None:

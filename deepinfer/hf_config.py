@@ -32,11 +32,22 @@ MOE_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2MoeForCausalLM",
 )
 
-#: GGUF ``general.architecture`` -> HF architecture. Mistral GGUFs are written as "llama".
+#: GGUF ``general.architecture`` -> HF architecture. Mistral GGUFs are written as "llama",
+#: and so are Mixtral's (a "llama" file with experts is read as Mixtral).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+
+#: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when
+#: the file has no ``{arch}.expert_weights_norm`` key (as its model graphs hard-code it).
+GGUF_EXPERT_WEIGHTS_NORM: dict[str, bool] = {
+    "MixtralForCausalLM": True, "Qwen3MoeForCausalLM": True,
+    "Qwen2MoeForCausalLM": False, "OlmoeForCausalLM": False,
 }
 
 #: transformers' config-class defaults for the keys a ``config.json`` may omit, per

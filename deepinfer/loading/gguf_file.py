@@ -7,8 +7,14 @@ Two layout facts matter:
   returns ``[rows, cols]`` = torch's ``[out, in]``.
 * llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama*-architecture
   models (each head's two rotary halves interleaved, for its GPT-J-style RoPE). The model
-  uses HF's rotate-half layout, so that permutation is undone here. Qwen2/Qwen3 files are
-  written unpermuted.
+  uses HF's rotate-half layout, so that permutation is undone here (Mixtral is a llama
+  file with experts). Qwen2/Qwen3 (and their MoE) and OLMoE files are written unpermuted.
+
+Mixture-of-experts files hold each layer's experts stacked, ``ffn_{gate,up}_exps``
+``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]`` (older Mixtral files: one
+``ffn_{gate,up,down}.{e}`` tensor per expert), the router as ``ffn_gate_inp`` and
+Qwen2-MoE's shared expert as ``ffn_*_shexp``; they are yielded under the per-expert HF
+names the model's loader places.
 """
 
 from __future__ import annotations
@@ -48,7 +54,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+#: Stacked expert tensors ``[E, ...]`` -> the per-expert projection of each slice.
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                  "ffn_down_exps": "down_proj"}
+#: Older Mixtral files: one tensor per expert, ``blk.{i}.ffn_{gate,up,down}.{e}.weight``.
+_PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -84,8 +100,14 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     freq = None
     if "rope_freqs.weight" in names:
         freq = tuple(float(x) for x in tensor_to_numpy(names["rope_freqs.weight"]).ravel())
+    # A MoE file's layers without a router are dense (llama.cpp's own MoE graphs have
+    # none such; files written from checkpoints with mlp_only_layers do).
+    layers = int(meta.get(f"{meta.get('general.architecture')}.block_count") or 0)
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
     return ModelConfig.from_gguf_metadata(
-        meta, vocab_size=vocab, tied="output.weight" not in names, rope_freq_factors=freq)
+        meta, vocab_size=vocab, tied="output.weight" not in names, rope_freq_factors=freq,
+        dense_layers=dense if len(dense) < layers else (),
+        qkv_bias=True if "blk.0.attn_q.bias" in names else None)
 
 
 def tensor_to_numpy(t: Any) -> np.ndarray:
@@ -109,8 +131,15 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor (``None`` for tensors with no parameter)."""
+    """HF parameter name of a GGUF tensor (``None`` for tensors with no parameter; a
+    stacked expert tensor's name ends in ``experts.{}.<proj>.weight``, ``{}`` the expert)."""
+    m = _PER_EXPERT_RE.fullmatch(gguf_name)
+    if m:
+        layer, proj, e = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m[2] in _EXPERT_STACKS and m[3] == "weight":
+        return f"model.layers.{m[1]}.mlp.experts.{{}}.{_EXPERT_STACKS[m[2]]}.weight"
     if m:
         layer, part, kind = m.groups()
         if part not in _LAYER_NAMES:
@@ -125,7 +154,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def iter_gguf(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight, q/k rows un-permuted."""
+    """Yield ``(hf_name, float32 tensor)`` for every weight, q/k rows un-permuted, stacked
+    experts one slice each."""
     llama = gguf.metadata["general.architecture"] == "llama"
     for t in gguf.tensors:
         name = hf_name(t.name)
@@ -136,7 +166,25 @@ def iter_gguf(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
             w = unpermute_rotary(w, cfg.num_heads)
         elif llama and ".k_proj." in name:
             w = unpermute_rotary(w, cfg.num_kv_heads)
+        elif name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # stored as a vector; HF's Linear(hidden, 1)
+        if "{}" in name:
+            if w.dim() != 3:
+                raise ValueError(f"GGUF tensor {t.name!r}: shape {tuple(w.shape)}, expected "
+                                 f"[experts, rows, cols]")
+            for e in range(w.shape[0]):
+                yield name.format(e), w[e]
+            continue
         yield name, w
+
+
+def count_gguf_weights(gguf: GGUFFile) -> int:
+    """How many tensors :func:`iter_gguf` yields (a stacked expert tensor: one each)."""
+    n = 0
+    for t in gguf.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        n += int(t.shape[-1]) if m and m[2] in _EXPERT_STACKS else 1
+    return n
 
 
 def check_gguf_types(gguf: GGUFFile) -> None:

@@ -153,7 +153,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     is_gguf = path.endswith(".gguf")
     if is_gguf:
         # Imported here: the gguf package is only needed for GGUF files.
-        from deepinfer.loading.gguf_file import check_gguf_types, iter_gguf
+        from deepinfer.loading.gguf_file import check_gguf_types, count_gguf_weights, iter_gguf
         from deepinfer.loading.gguf_reader import open_gguf
 
         gguf = open_gguf(path)  # cached per file: load_config reuses this parse
@@ -164,7 +164,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         weights: Iterable[tuple[str, torch.Tensor]] = (
             (name, take_shard(w, shard_slice(name, cfg, tp), name))
             for name, w in iter_gguf(gguf, cfg))
-        total = len(gguf.tensors)
+        total = count_gguf_weights(gguf)
     else:
         files = safetensors_files(path)
         weights = iter_safetensors(files, lambda name: shard_slice(name, cfg, tp))

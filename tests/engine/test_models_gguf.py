@@ -45,11 +45,32 @@ _GGUF_LAYER = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
-def _write_tiny_gguf(hf_model, arch: str, path: str) -> None:
-    """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted."""
+def _expert_tensors(c, i: str, rest: str, t: torch.Tensor,
+                    per_expert: bool) -> list[tuple[str, torch.Tensor]]:
+    """GGUF tensors of a transformers 5 stacked expert tensor (``gate_up_proj [E, 2I, H]``
+    or ``down_proj [E, H, I]``): llama.cpp's ``ffn_*_exps`` stacks, or with ``per_expert``
+    the older Mixtral files' ``ffn_*.{e}`` tensors."""
+    if rest == "mlp.experts.gate_up_proj":
+        inter = t.shape[1] // 2
+        parts = [("gate", t[:, :inter]), ("up", t[:, inter:])]
+    else:
+        parts = [("down", t)]
+    if per_expert:
+        return [(f"blk.{i}.ffn_{p}.{e}.weight", x[e]) for p, x in parts
+                for e in range(x.shape[0])]
+    return [(f"blk.{i}.ffn_{p}_exps.weight", x) for p, x in parts]
+
+
+def _write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False) -> None:
+    """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
+    experts stacked (or one tensor each, ``per_expert``), MoE keys."""
     import numpy as np
     from gguf import GGUFWriter
 
@@ -67,6 +88,18 @@ def _write_tiny_gguf(hf_model, arch: str, path: str) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if getattr(c, "norm_topk_prob", None) is not None:
+            w.add_expert_weights_norm(c.norm_topk_prob)
+        if getattr(c, "clip_qkv", None):
+            w.add_clamp_kqv(c.clip_qkv)
     rope = c.rope_parameters
     if rope.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
@@ -90,7 +123,13 @@ def _write_tiny_gguf(hf_model, arch: str, path: str) -> None:
         t = t.float()
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
+            if rest.startswith("mlp.experts."):
+                for gname, x in _expert_tensors(c, i, rest, t, per_expert):
+                    w.add_tensor(gname, np.ascontiguousarray(x.numpy()))
+                continue
             mod, kind = rest.rsplit(".", 1)
+            if mod == "mlp.shared_expert_gate":
+                t = t.reshape(-1)  # llama.cpp stores it as a vector
             if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
                 h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
@@ -128,3 +167,57 @@ def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     if name == "llama3":
         assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    from tests.engine.moe_checkpoints import make_moe_checkpoints
+
+    return make_moe_checkpoints(tmp_path_factory.mktemp("tiny_moe_gguf"))
+
+
+@pytest.mark.parametrize("name,arch,per_expert", [
+    ("qwen3_moe", "qwen3moe", False), ("qwen2_moe", "qwen2moe", False),
+    ("olmoe", "olmoe", False), ("mixtral", "llama", False), ("mixtral", "llama", True)])
+def test_tiny_moe_gguf_matches_hf(name, arch, per_expert, moe_checkpoints, tmp_path):
+    """MoE GGUFs as llama.cpp writes them (stacked ``ffn_*_exps``, the router as
+    ``ffn_gate_inp``, Qwen2-MoE's shared expert, OLMoE's clamp; Mixtral as a llama file
+    with experts, also with the older one-tensor-per-expert layout): the same logits as
+    transformers on the checkpoint they were written from, the dense layers of
+    ``mlp_only_layers`` / ``decoder_sparse_step`` included."""
+    from deepinfer.loading.loader import load_model
+    from tests.engine.test_models import hf_logits
+
+    ck = moe_checkpoints[name]
+    path = str(tmp_path / f"{name}.gguf")
+    _write_tiny_gguf(ck.hf_model, arch, path, per_expert=per_expert)
+    model, cfg = load_model(path, dtype="float32", device="cpu")
+    hf = ck.hf_model.config
+    want_arch = "MixtralForCausalLM" if arch == "llama" else type(ck.hf_model).__name__
+    assert cfg.architecture == want_arch
+    assert [cfg.is_moe_layer(i) for i in range(cfg.num_layers)] == [
+        type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in ck.hf_model.model.layers]
+    assert cfg.norm_topk_prob == (True if name == "mixtral" else hf.norm_topk_prob)
+    tokens = torch.randint(3, cfg.vocab_size, (12,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    got = PagedSim(cfg).step(model, {0: tokens}, is_prompt=True)
+    torch.testing.assert_close(got, hf_logits(ck.hf_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_moe_gguf_without_expert_counts_is_named(moe_checkpoints, tmp_path):
+    """A MoE file lacking ``expert_used_count``: a ValueError naming the key."""
+    import gguf
+
+    from deepinfer.loading.loader import load_model
+
+    path = str(tmp_path / "q.gguf")
+    _write_tiny_gguf(moe_checkpoints["qwen3_moe"].hf_model, "qwen3moe", path)
+    reader = gguf.GGUFReader(path)
+    assert "qwen3moe.expert_used_count" in reader.fields
+    # Rename the key in place (same length), as a file written without it would read.
+    raw = open(path, "rb").read().replace(b"qwen3moe.expert_used_count",
+                                          b"qwen3moe.expert_usedXcount")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(raw)
+    with pytest.raises(ValueError, match="qwen3moe.expert_used_count"):
+        load_model(str(bad), dtype="float32", device="cpu")
