@@ -232,18 +232,25 @@ def gguf_moe_fields(arch: str, get: Any, need: Any, dense_layers: tuple[int, ...
                     ) -> dict[str, Any]:
     """The MoE fields of a GGUF file's :class:`ModelConfig` (``{}`` for a dense ``arch``),
     from llama.cpp's keys: ``expert_count``, ``expert_used_count``,
-    ``expert_feed_forward_length`` (else ``feed_forward_length``, as Mixtral's experts),
+    ``expert_feed_forward_length`` (else ``feed_forward_length``, as Mixtral's and OLMoE's
+    experts, or for the Qwen MoE files written before that key, a ``expert_used_count``-th
+    of it, as llama.cpp reads them),
     ``expert_shared_feed_forward_length``, ``expert_weights_norm`` (absent: llama.cpp's
     choice for the architecture) and OLMoE's ``attention.clamp_kqv``. ``get(key)`` /
     ``need(key)`` read ``{arch}.{key}`` (``need``: a ``ValueError`` naming it if absent)."""
     if arch not in MOE_ARCHITECTURES:
         return {}
     norm = get("expert_weights_norm")
+    top_k = need("expert_used_count")
+    width = get("expert_feed_forward_length")
+    if not width:  # as llama.cpp reads files written before the key existed
+        width = need("feed_forward_length")
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            width //= top_k
     out: dict[str, Any] = dict(
         num_experts=need("expert_count"),
-        num_experts_per_tok=need("expert_used_count"),
-        moe_intermediate_size=int(get("expert_feed_forward_length")
-                                  or need("feed_forward_length")),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(width),
         norm_topk_prob=GGUF_EXPERT_WEIGHTS_NORM[arch] if norm is None else bool(norm),
         mlp_only_layers=tuple(dense_layers),
     )

@@ -107,7 +107,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(
         meta, vocab_size=vocab, tied="output.weight" not in names, rope_freq_factors=freq,
         dense_layers=dense if len(dense) < layers else (),
-        qkv_bias=True if "blk.0.attn_q.bias" in names else None)
+        qkv_bias="blk.0.attn_q.bias" in names)
 
 
 def tensor_to_numpy(t: Any) -> np.ndarray:

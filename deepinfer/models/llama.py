@@ -298,6 +298,9 @@ class LlamaForCausalLM(nn.Module):
             proj = "gate_proj" if offsets[1] == 0 else "up_proj"
         else:
             proj = "down_proj"
+        if self.config.architecture == "MixtralForCausalLM":  # its own module and names
+            stem = stem[: -len(".mlp")] + ".block_sparse_moe"
+            proj = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
         return f"{stem}.experts.{expert}.{proj}.weight"
 
     def expected_weight_keys(self) -> set[str]:

@@ -92,7 +92,8 @@ def tp_size_errors(cfg: ModelConfig, tp: int) -> list[str]:
         errors.append(f"{tp} ranks cannot share num_key_value_heads={cfg.num_kv_heads} "
                       f"evenly (a KV head is replicated only when the TP size is a "
                       f"multiple of it)")
-    need("intermediate_size", cfg.intermediate_size)
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):  # a dense MLP uses it
+        need("intermediate_size", cfg.intermediate_size)
     need("vocab_size", cfg.vocab_size)
     if cfg.num_experts:
         need("moe_intermediate_size", cfg.moe_intermediate_size)

@@ -293,6 +293,12 @@ def test_moe_expert_width(tiny_cfg):
                                          r".*Sizes that work: 1, 2$"):
         check_tp_size(moe, 4)
     check_tp_size(moe, 2)
+    # intermediate_size only sizes dense MLPs: with every layer sparse it need not split.
+    sparse = dataclasses.replace(moe, intermediate_size=97, moe_intermediate_size=32)
+    check_tp_size(sparse, 2)
+    one_dense = dataclasses.replace(sparse, mlp_only_layers=(0,))
+    with pytest.raises(ValueError, match=r"intermediate_size=97 is not divisible by 2"):
+        check_tp_size(one_dense, 2)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2"])

@@ -221,3 +221,41 @@ def test_moe_gguf_without_expert_counts_is_named(moe_checkpoints, tmp_path):
     bad.write_bytes(raw)
     with pytest.raises(ValueError, match="qwen3moe.expert_used_count"):
         load_model(str(bad), dtype="float32", device="cpu")
+
+
+def _moe_meta(arch: str, **keys) -> dict:
+    """GGUF key/values of a small MoE file of llama.cpp architecture ``arch``."""
+    meta = {"general.architecture": arch, f"{arch}.block_count": 2,
+            f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+            f"{arch}.feed_forward_length": 96, f"{arch}.expert_count": 6,
+            f"{arch}.expert_used_count": 2, f"{arch}.vocab_size": 300}
+    meta.update({f"{arch}.{k}": v for k, v in keys.items()})
+    return meta
+
+
+def test_moe_gguf_keys_as_llama_cpp_reads_them():
+    """Keys older converters leave out: a Qwen MoE file without
+    ``expert_feed_forward_length`` has experts of ``feed_forward_length / top-k`` (Mixtral's
+    and OLMoE's are ``feed_forward_length``); without ``expert_weights_norm`` the top-k is
+    renormalised as llama.cpp's graph for the architecture does; with it, as it says.
+    q/k/v biases follow the file's tensors."""
+    from deepinfer.config import ModelConfig
+
+    def cfg(arch, **keys):
+        return ModelConfig.from_gguf_metadata(_moe_meta(arch, **keys), qkv_bias=False)
+
+    assert cfg("qwen2moe").moe_intermediate_size == 48
+    assert cfg("qwen3moe").moe_intermediate_size == 48
+    assert cfg("olmoe").moe_intermediate_size == 96
+    assert cfg("llama").moe_intermediate_size == 96
+    assert cfg("qwen3moe", expert_feed_forward_length=32).moe_intermediate_size == 32
+    assert cfg("qwen2moe").shared_expert_intermediate_size == 96
+    assert [cfg(a).norm_topk_prob for a in ("qwen3moe", "llama", "qwen2moe", "olmoe")] == [
+        True, True, False, False]
+    assert cfg("qwen2moe", expert_weights_norm=True).norm_topk_prob is True
+    assert cfg("qwen3moe", expert_weights_norm=False).norm_topk_prob is False
+    assert cfg("llama").architecture == "MixtralForCausalLM"
+    assert not cfg("qwen2moe").attention_bias  # a file without q/k/v biases
+    assert ModelConfig.from_gguf_metadata(_moe_meta("qwen2moe")).attention_bias
+    with pytest.raises(ValueError, match="olmoe.expert_count"):
+        ModelConfig.from_gguf_metadata({**_moe_meta("olmoe"), "olmoe.expert_count": None})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -170,4 +171,28 @@ def test_checkpoint_expert_count_mismatch_raises(moe_checkpoints, tmp_path, expe
     cfg["num_local_experts"] = experts
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
+        load_model(str(tmp_path), dtype="float32")
+
+
+@pytest.mark.parametrize("name, dropped", [
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w3.weight"),
+    ("qwen3_moe", "model.layers.2.mlp.experts.4.down_proj.weight"),
+])
+def test_missing_expert_tensor_is_named_as_the_checkpoint_names_it(moe_checkpoints, tmp_path,
+                                                                    name, dropped):
+    from safetensors.torch import load_file, save_file
+
+    src = moe_checkpoints[name].path
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), tmp_path / f)
+    shards = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    for f in shards:
+        tensors = load_file(str(tmp_path / f))
+        if dropped in tensors:
+            del tensors[dropped]
+            save_file(tensors, str(tmp_path / f), metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail(f"{dropped} is not in the checkpoint")
+    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\), e\.g\. " + re.escape(dropped)):
         load_model(str(tmp_path), dtype="float32")
