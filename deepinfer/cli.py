@@ -10,6 +10,7 @@ torchrun; ``deepinfer.distributed.dp`` and ``.tp``) and disaggregated prefill/de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import fields
@@ -22,6 +23,7 @@ from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
+from deepinfer.jobs.resume import lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.sampling_params import SamplingParams
@@ -98,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output_path(input_path: str, output: str) -> None:
+    """``ValueError`` naming ``--output`` when it is a folder or the input file itself
+    (resume would read the prompts as results, and the run overwrite them)."""
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output!r}: is a folder; name a .jsonl file")
+    if os.path.exists(output) and os.path.exists(input_path) and os.path.samefile(
+            input_path, output):
+        raise ValueError(f"--output {output!r} is the --input file: the results would "
+                         "overwrite the prompts; name another file")
+
+
 def default_sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The CLI's default sampling; per-record overrides are applied on top."""
     return SamplingParams(
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         default_params = default_sampling_params(args)
         engine_args = engine_args_from(args)
         engine_args.validate()
+        check_output_path(args.input, args.output)
         inputs, fmt = open_job(args.input, args.format, engine_args.model)
         if fmt is not NATIVE:
             warn_other_models(inputs, args.input, engine_args.model)
@@ -155,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         return 2
     try:
+        # One run per output file (under torchrun: rank 0 holds it for the run).
+        lock = lock_output(args.output) if os.environ.get("RANK", "0") == "0" else None
+    except ValueError as e:
+        print(f"deepinfer-generate: {e}", file=sys.stderr)
+        return 2
+    try:
         if args.pd is not None:
             return launch(pd_job_rank, num_prompt + num_decode,
                           (args, engine_args, default_params, num_prompt))
@@ -168,3 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\ndeepinfer-generate: interrupted: rerun the same command to resume",
                   file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if lock is not None:  # the file goes too: an output folder holds only outputs
+            with contextlib.suppress(OSError):
+                os.unlink(lock.name)
+            lock.close()

@@ -7,16 +7,16 @@ the one-engine and DP jobs drive it. With ``async_scheduling`` it keeps one step
 flight: step k+1 is scheduled and launched before step k's ids reach the host, so the
 host's work hides behind the device's (docs/scheduling.md, "Overlapped scheduling").
 ``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
-(disaggregated prefill/decode). Constrained requests (``structured_outputs``) go through
-``deepinfer.structured.matchers``: held back until their grammar is compiled and masked
-each step; with overlap, a constrained step's sampling waits until the step before it has
-landed, while the device runs its forward (docs/scheduling.md).
+(disaggregated prefill/decode). Constrained requests (``structured_outputs``, through
+``deepinfer.structured.matchers``) wait for their grammar and are masked each step; with
+overlap, a constrained step samples once the step before it landed (docs/scheduling.md).
 """
 
 from __future__ import annotations
 
 import numbers
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,7 +26,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.model_runner import StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.request_state import RequestState, SampleState, SequenceExport
+from deepinfer.request_state import RequestState, SampleState, SequenceExport, fit_to_model_len
 from deepinfer.sampled_tokens import SampledTokens
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.matchers import StructuredOutputs
@@ -100,6 +100,7 @@ class LLMEngine:
         # Requests finished by a step completed while no one was iterating (drain closed
         # with a step in flight): handed out by the next step() or drain().
         self._undelivered: list[RequestOutput] = []
+        self._open_steps: deque = deque()  # scheduled, not yet completed (abort_all)
         self._last_done = 0.0  # when the last step completed (overlapping step times)
         # Samples whose tokens need host work each step (stop strings, logprobs).
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
@@ -150,18 +151,19 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
             )
+        params = fit_to_model_len(request_id, len(prompt_token_ids), params,
+                                  self.max_model_len)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = RequestState(request_id, prompt, list(prompt_token_ids), params,
                            frozenset(stop_ids))
         if params.structured_outputs is not None:
-            # Parked until its grammar is compiled (_launch queues it then); checked now as
-            # _queue will check it, so a request that can never run fails here, alone.
-            sched = self.scheduler
-            validate_request(sched.config, request_id, req.prompt_token_ids, params.max_tokens,
-                             n=params.n, min_tokens=params.min_tokens,
-                             max_live=sched.state_manager.max_live)
+            # Parked until its grammar is compiled (_launch queues it), checked now as
+            # _queue will: a request that can never run fails here, alone.
+            validate_request(self.scheduler.config, request_id, req.prompt_token_ids,
+                             params.max_tokens, n=params.n, min_tokens=params.min_tokens,
+                             max_live=self.scheduler.state_manager.max_live)
             self.structured.add(request_id, params.structured_outputs, stop_ids)
         else:
             self._queue(req)
@@ -183,6 +185,17 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.has_parked()
+
+    def abort_all(self) -> None:
+        """After a failed or interrupted step loop: abort every request, drop undelivered
+        outputs, and apply steps never completed with placeholder tokens (all dropped:
+        their sequences ended), so the engine takes new requests as if fresh."""
+        for rid in list(self.requests):
+            self.abort(rid)
+        self._undelivered = []
+        while self._open_steps:
+            out = self._open_steps.popleft()
+            self.scheduler.update(out, [0] * out.num_samples)
 
     # ------------------------------------------------------------------ hand-off (PD)
     def export_sequence(self, seq: Sequence) -> SequenceExport:
@@ -348,6 +361,7 @@ class LLMEngine:
             for rid in self.structured.take_ready(block=not self.scheduler.has_unfinished()):
                 self._queue(self.requests[rid])
         out = self.scheduler.schedule()
+        self._open_steps.append(out)
         sampling = self._step_sampling(out)
         mask = self.structured.logits_mask(out.sample_seqs) if self.structured.live else None
         return out, self.runner.launch(out, sampling, mask), t0
@@ -356,6 +370,8 @@ class LLMEngine:
         """Wait for a launched step's sampled ids and apply them; returns the requests
         that finished."""
         token_ids, logprobs = sampled.result()
+        if self._open_steps and self._open_steps[0] is out:
+            self._open_steps.popleft()
         finished_seqs = self.scheduler.update(out, token_ids)
         dropped = self.scheduler.dropped
         now = time.perf_counter()

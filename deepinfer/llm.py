@@ -150,13 +150,17 @@ class LLM:
         try:
             for out in engine.drain(on_step=progress):
                 results[out.request_id] = out
-        except RuntimeError as e:
+        except BaseException as e:
             # A collective with a dead TP rank fails with gloo's or NCCL's words: name it.
             failure = self._followers.failure() if self._followers else None
-            if failure is None:
-                raise
-            raise RuntimeError(f"{failure}; this LLM cannot go on: close it and create "
-                               "a new one") from e
+            if failure is not None and isinstance(e, RuntimeError):
+                raise RuntimeError(f"{failure}; this LLM cannot go on: close it and "
+                                   "create a new one") from e
+            if self._followers is None:
+                # Ctrl-C or a failed step: nothing of this call is left to run first in
+                # the next one. (TP followers replay the steps: there the LLM is closed.)
+                engine.abort_all()
+            raise
         finally:
             bar.close()
         return [results[rid] for rid in ids]

@@ -91,3 +91,16 @@ class SequenceExport:
     stop_token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     num_blocks: int
+
+
+def fit_to_model_len(request_id: str, prompt_len: int, p: SamplingParams,
+                     max_model_len: int) -> SamplingParams:
+    """``p`` with ``max_tokens`` cut to what ``max_model_len`` leaves after the prompt
+    (as vLLM does: the output then ends with ``"length"``); ``ValueError`` naming the
+    request when the prompt leaves no room, or less than ``min_tokens``."""
+    room = max_model_len - prompt_len
+    if room < max(1, p.min_tokens):
+        need = f"min_tokens ({p.min_tokens})" if room >= 1 else "one generated token"
+        raise ValueError(f"request {request_id!r}: prompt ({prompt_len} tokens) + {need} "
+                         f"exceeds max_model_len={max_model_len}")
+    return p if p.max_tokens <= room else p.replace(max_tokens=room)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from deepinfer.structured.params import StructuredOutputsParams
 
@@ -18,13 +21,31 @@ from deepinfer.structured.params import StructuredOutputsParams
 GREEDY_EPS = 1e-5
 
 
+# Token ids live in int64 tensors.
+_MAX_TOKEN_ID = (1 << 63) - 1
+
+
 def _is_int(v: Any) -> bool:
     # bool is an int subclass, but `"n": true` in a JSON line is a mistake, not n=1.
-    return isinstance(v, int) and not isinstance(v, bool)
+    # numbers.Integral: numpy integers too.
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return (_is_int(v) or isinstance(v, numbers.Real) and not isinstance(v, np.bool_)
+            ) and math.isfinite(v)
+
+
+def _plain(v: Any) -> Any:
+    """A numpy scalar (or another ``numbers`` type) as the Python number it holds;
+    anything else as is."""
+    if isinstance(v, np.generic) and not isinstance(v, np.bool_):
+        return v.item()
+    if isinstance(v, numbers.Integral) and not isinstance(v, int):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
+        return float(v)
+    return v
 
 
 @dataclass
@@ -73,6 +94,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        # numpy scalars (np.float32(0.5), np.int64(3)) are taken as the numbers they hold.
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _plain(getattr(self, f.name)))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(
                 self.structured_outputs)
@@ -141,10 +167,12 @@ class SamplingParams:
                 raise ValueError(f"stop={stop!r}: stop strings must be non-empty")
         ids = self.stop_token_ids
         if ids is not None and (
-            not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
+            not isinstance(ids, (list, tuple))
+            or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids)
         ):
             raise ValueError(
-                f"stop_token_ids={ids!r}: must be a list of non-negative integers"
+                f"stop_token_ids={ids!r}: must be a list of non-negative integers "
+                f"(token ids, below 2**63)"
             )
 
     # ------------------------------------------------------------------ helpers

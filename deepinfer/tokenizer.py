@@ -106,12 +106,18 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> l
     assistant generation prompt.
 
     The template is rendered to text and encoded without extra special tokens: templates
-    that write the BOS themselves would otherwise get it twice.
+    that write the BOS themselves would otherwise get it twice. A template that raises
+    (``raise_exception`` on messages it does not take) is a ``ValueError``.
     """
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"tokenizer {name!r} has no chat template: pass plain prompts "
                          f"instead of chat messages")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=True)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as e:  # e.g. "roles must alternate": that request's error
+        raise ValueError(f"the chat template refuses these messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)

@@ -249,8 +249,9 @@ def launch(fn: Callable[..., int], world_size: int, fn_args: tuple = ()) -> int:
 
 
 def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int,
-                 result_queue, fn_args: tuple) -> None:
+                 result_queue, fn_args: tuple, launcher: int) -> None:
     """A spawned rank: the torchrun environment, then ``fn(info, *fn_args)``."""
+    die_with_launcher(launcher)
     use_thread_lock_for_bars()  # it leaves through os._exit below
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nprocs),
@@ -272,6 +273,33 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
     os._exit(0)
 
 
+def die_with_launcher(launcher: int) -> None:
+    """Have the kernel SIGTERM this process when the launcher (pid ``launcher``) dies,
+    however it dies (SIGKILL included): a rank left running would keep appending to its
+    part file while a rerun folds it. Linux only; elsewhere the launcher's own signal
+    handling (``spawn_ranks``) is all there is."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os._exit(EXIT_RANK_FAILED)
+
+
+class _TerminatedError(KeyboardInterrupt):
+    """SIGTERM / SIGHUP to the launcher, raised where it waits so its ranks are stopped
+    (a ``KeyboardInterrupt``: the same way out as Ctrl-C)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _TerminatedError(signal.Signals(signum).name)
+
+
 def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any:
     """Run ``fn(info, *fn_args)`` in ``nprocs`` spawned processes; rank 0's return value.
 
@@ -279,14 +307,32 @@ def spawn_ranks(fn: Callable[..., Any], nprocs: int, fn_args: tuple = ()) -> Any
     fails, the others are stopped and ``RankFailedError`` names the rank that failed
     first and its exit code. A rank that raises ``RankFailedError`` (it only lost contact
     with a failed peer) exits with ``EXIT_RANK_FAILED``: it is then not blamed when the
-    root cause is known.
+    root cause is known. SIGTERM or SIGHUP to this process stops the ranks too (as
+    Ctrl-C does), and a rank dies with this process (``die_with_launcher``).
     """
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        return _run_spawned(fn, nprocs, fn_args, results)
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+
+
+def _run_spawned(fn: Callable[..., Any], nprocs: int, fn_args: tuple, results) -> Any:
+    """``spawn_ranks``' body: start the ranks, wait for them, stop the rest on the way
+    out (a failed rank, Ctrl-C, SIGTERM)."""
     import multiprocessing.connection as mpc
 
     import torch.multiprocessing as mp
 
-    results = mp.get_context("spawn").SimpleQueue()
-    pctx = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), results, fn_args),
+    pctx = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), results, fn_args,
+                                                  os.getpid()),
                               nprocs=nprocs, join=False, start_method="spawn")
     procs = pctx.processes
     alive = {p.sentinel: i for i, p in enumerate(procs)}

@@ -14,19 +14,21 @@ does. ``body.model`` is not checked against the loaded model beyond a warning (a
 does): one engine serves every line.
 
 Logprobs name tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): the
-writer has no tokenizer, and ids round-trip where decoded pieces do not. ``top_logprobs``
-holds the top ``k`` and the sampled token, less the alternatives a grammar ruled out
-(logprob ``-inf``: not valid JSON, and not real alternatives).
+writer has no tokenizer, and ids round-trip where decoded pieces do not. A completion's
+``top_logprobs`` holds the top ``k`` and the sampled token (the legacy API's shape), a
+chat completion's exactly the top ``top_logprobs`` (none without it), both less the
+alternatives a grammar ruled out (logprob ``-inf``: not valid JSON, and not real
+alternatives). ``k`` is at most :data:`MAX_LOGPROBS` (vLLM's default cap).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Any
 
+from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.jobs.records import (
     OPENAI_ID_PREFIX,
     SAMPLING_KEYS,
@@ -43,43 +45,47 @@ _SAME_NAME = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
 # Accepted and without effect on one offline engine.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
             "parallel_tool_calls"}
-# OpenAI fields this engine does not implement: a line using one fails, naming it.
+# OpenAI fields this engine does not implement: a line using one fails, naming it...
 _UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "echo",
                 "best_of", "suffix", "audio", "modalities", "prediction"}
+# ... unless it holds the value that asks for nothing (what SDKs fill in by default).
+_NO_OP_VALUES = {"tools": [], "functions": [], "logit_bias": {}, "echo": False,
+                 "best_of": 1, "suffix": "", "tool_choice": "none", "function_call": "none",
+                 "modalities": ["text"]}
+#: The most top logprobs a line may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 def is_openai_batch(path: str) -> bool:
-    """Whether the first non-empty line of ``path`` is an object with ``custom_id`` and
-    ``body`` (the OpenAI batch format)."""
-    if not os.path.exists(path):
+    """Whether the first line of ``path`` that parses is an object with ``custom_id``
+    and ``body`` (the OpenAI batch format): a malformed first line fails alone, in the
+    format of the lines around it."""
+    if not os.path.isfile(path):
         return False
-    with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of line 1
-        for line in f:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+    for lineno, line, error in read_lines(path):
+        obj, error = (None, error) if error else load_json_line(line, lineno)
+        if error is None:
+            return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
     return False
 
 
 def read_openai_inputs(path: str) -> list[InputRecord]:
     """One record per non-empty line of an OpenAI batch file; a bad line, or a repeated
     ``custom_id`` after its first line, is an error record naming the line."""
+    check_input_file(path)
     records: list[InputRecord] = []
-    seen: set[str] = set()
-    with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of line 1
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = parse_openai_line(line, lineno)
-            if rec.error is None and rec.custom_id in seen:
-                rec.id = line_record_id(lineno)
-                rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"
-            if rec.error is None:
-                seen.add(rec.custom_id)
-            records.append(rec)
+    seen: set[str] = set()  # custom_ids of earlier lines, good or bad
+    for lineno, line, error in read_lines(path):
+        if error is not None:
+            records.append(InputRecord(id=line_record_id(lineno), error=error))
+            continue
+        rec = parse_openai_line(line, lineno)
+        if rec.error is None and rec.custom_id in seen:
+            rec.id = line_record_id(lineno)
+            rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"
+        if rec.custom_id is not None:
+            seen.add(rec.custom_id)
+        records.append(rec)
     return records
 
 
@@ -93,10 +99,9 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
     """One input line -> an ``InputRecord`` (``api``: ``"chat"`` or ``"completion"``;
     ``error`` set, naming the line and the field, when the line is bad)."""
     line_id = line_record_id(lineno)
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        return InputRecord(id=line_id, error=f"line {lineno}: malformed JSON ({e.msg})")
+    obj, error = load_json_line(line, lineno)
+    if error is not None:
+        return InputRecord(id=line_id, error=error)
     if not isinstance(obj, dict):
         return InputRecord(id=line_id, error=f"line {lineno}: expected a JSON object")
     cid = obj.get("custom_id")
@@ -132,7 +137,9 @@ def _body_fields(body: dict[str, Any], chat: bool
     the field when it is missing, malformed or not supported."""
     # OpenAI documents most fields as nullable, null meaning the default: drop them here
     # so that no check below (or SamplingParams) sees a None.
-    body = {k: v for k, v in body.items() if v is not None}
+    body = {k: v for k, v in body.items()
+            if v is not None and not (k in _NO_OP_VALUES and v == _NO_OP_VALUES[k]
+                                      and type(v) is type(_NO_OP_VALUES[k]))}
     if body.get("stream"):
         raise ValueError("body.stream: streaming is not available in a batch")
     used = set(body) - _IGNORED - {"stream"}
@@ -164,14 +171,22 @@ def _body_fields(body: dict[str, Any], chat: bool
         if top is not None and not logprobs:
             raise ValueError("body.top_logprobs: needs logprobs: true")
         if logprobs:
-            overrides["logprobs"] = 0 if top is None else top
+            overrides["logprobs"] = 0 if top is None else _top_count("top_logprobs", top)
     elif logprobs is not None:
-        overrides["logprobs"] = logprobs
+        overrides["logprobs"] = _top_count("logprobs", logprobs)
     used -= {"logprobs", "top_logprobs", "response_format"}
     if used:
         raise ValueError(f"body.{sorted(used)[0]}: unknown field")
     structured_overrides(overrides, body.get("response_format"))
     return prompt, messages, overrides
+
+
+def _top_count(field: str, value: Any) -> Any:
+    """``value`` if it is at most :data:`MAX_LOGPROBS` (its type and sign are checked by
+    ``SamplingParams``), else ``ValueError`` naming ``body.<field>``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LOGPROBS:
+        raise ValueError(f"body.{field}: {value} is over the limit of {MAX_LOGPROBS}")
+    return value
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -208,8 +223,9 @@ class OpenAIFormat:
         chat = rec.api == "chat"
         choices = []
         for o in res.outputs:
+            top = (rec.overrides or {}).get("logprobs")
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
-                                      "logprobs": _logprobs(o, chat)}
+                                      "logprobs": _logprobs(o, chat, top or 0)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
             else:
@@ -239,8 +255,9 @@ class OpenAIFormat:
         return openai_success(line)
 
 
-def _logprobs(o, chat: bool) -> dict[str, Any] | None:
-    """OpenAI-shaped logprobs of one completion (tokens as ``token_id:<id>``)."""
+def _logprobs(o, chat: bool, top_k: int) -> dict[str, Any] | None:
+    """OpenAI-shaped logprobs of one completion (tokens as ``token_id:<id>``); a chat
+    completion's ``top_logprobs`` keep the ``top_k`` most likely only."""
     if o.logprobs is None:
         return None
     toks, lps, tops = [], [], []
@@ -258,6 +275,7 @@ def _logprobs(o, chat: bool) -> dict[str, Any] | None:
     if chat:
         return {"content": [
             {"token": t, "logprob": lp,
-             "top_logprobs": [{"token": k, "logprob": v} for k, v in top.items()]}
+             "top_logprobs": [{"token": k, "logprob": v}
+                              for k, v in list(top.items())[:top_k]]}
             for t, lp, top in zip(toks, lps, tops)]}
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops}

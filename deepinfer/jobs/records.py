@@ -6,15 +6,16 @@ sampling overrides, top level or under ``sampling_params``; structured output as
 ``structured_outputs`` (``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``,
 ``{"json": ...}``, ``{"json_object": true}``) or OpenAI's ``response_format``). A bad line
 becomes a record with ``error`` set, so that it fails alone. Input files are read as
-UTF-8 with an optional BOM; CRLF line ends work. Output: ``{"id", "outputs": [...]}`` or
-``{"id", "error"}``, written and flushed one line at a time; a line never holds NaN or
-infinity (``write_record``).
+UTF-8 with an optional BOM; CRLF line ends work; a line that is not UTF-8 fails alone
+(``input_lines``). Output: ``{"id", "outputs": [...]}`` (with ``logprobs`` when asked for)
+or ``{"id", "error"}``, written and flushed one line at a time; a line never holds NaN or
+infinity (``write_record``). Error lines are written again when a run is resumed.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -22,6 +23,7 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
+from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
 
@@ -50,34 +52,37 @@ class InputRecord:
 
 def read_inputs(path: str) -> Iterator[InputRecord]:
     """Yield one record per non-empty line; the default id is the 1-based line number.
-    Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file or
-    an unknown extension."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--input {path!r}: no such file")
+    Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file, a
+    folder or an unknown extension."""
+    check_input_file(path)
     is_jsonl = path.endswith((".jsonl", ".json"))
     if not is_jsonl and not path.endswith(".txt"):
         raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
-    # utf-8-sig: a BOM (Windows editors) is dropped instead of corrupting line 1.
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if not is_jsonl:
-                yield InputRecord(id=str(lineno), prompt=line)
-                continue
+    for lineno, line, error in read_lines(path):
+        if error is not None:
+            yield InputRecord(id=str(lineno), error=error)
+        elif not is_jsonl:
+            yield InputRecord(id=str(lineno), prompt=line)
+        else:
             yield parse_jsonl_line(line, lineno)
 
 
 def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
-    """One ``.jsonl`` line -> a record (``error`` set and naming the line if it is bad)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        return InputRecord(id=str(lineno), error=f"line {lineno}: malformed JSON ({e.msg})")
+    """One ``.jsonl`` line -> a record (``error`` set and naming the line if it is bad).
+    The id: the line's ``id`` (a string or an integer), else (absent or null) the line
+    number."""
+    obj, error = load_json_line(line, lineno)
+    if error is not None:
+        return InputRecord(id=str(lineno), error=error)
     if not isinstance(obj, dict):
         return InputRecord(id=str(lineno), error=f"line {lineno}: expected a JSON object")
-    rid = str(obj.get("id", lineno))
+    rid = obj.get("id")
+    if rid is None:
+        rid = lineno
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return InputRecord(id=str(lineno), error=f"line {lineno}: 'id' must be a string or "
+                                                 f"an integer, got {json.dumps(rid)}")
+    rid = str(rid)
     prompt, messages = obj.get("prompt"), obj.get("messages")
     if (prompt is None) == (messages is None):
         return InputRecord(id=rid, error=f"line {lineno}: needs exactly one of "
@@ -275,16 +280,25 @@ def error_record(record_id: str, error: str) -> dict[str, Any]:
 
 
 def result_record(res) -> dict[str, Any]:
-    """The output line of one finished request (a ``RequestOutput``)."""
-    return {"id": res.request_id, "outputs": [
-        {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-        for o in res.outputs
-    ]}
+    """The output line of one finished request (a ``RequestOutput``). With logprobs
+    asked for, each output also has ``logprobs``: per generated token, its top
+    alternatives and the sampled token as ``{"<token id>": logprob}`` (tokens a grammar
+    ruled out, at -inf, left out: JSON has no infinity)."""
+    outputs = []
+    for o in res.outputs:
+        out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        if o.logprobs is not None:
+            out["logprobs"] = [{str(t): float(lp) for t, lp in d.items()
+                                if math.isfinite(lp)} for d in o.logprobs]
+        outputs.append(out)
+    return {"id": res.request_id, "outputs": outputs}
 
 
 class NativeFormat:
     """Output lines of deepinfer's own format (``result_record`` / ``error_record``);
-    every line is final (kept on resume). ``OpenAIFormat`` has the same methods."""
+    results are final (kept on resume), error lines are written again (a repeated id's
+    error line must not stand for the record that runs, and a rerun's exit status counts
+    every failed record). ``OpenAIFormat`` has the same methods."""
 
     @staticmethod
     def result(res) -> dict[str, Any]:
@@ -296,7 +310,7 @@ class NativeFormat:
 
     @staticmethod
     def final(line: dict[str, Any]) -> bool:
-        return True
+        return "error" not in line
 
 
 NATIVE = NativeFormat()

@@ -16,9 +16,30 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from deepinfer.jobs.parts import fold_part_files, input_order
 from deepinfer.jobs.records import InputRecord, mark_duplicates, strict_json, valid_lines
+
+
+def lock_output(path: str) -> Any:
+    """Take the exclusive lock of output ``path`` (``<path>.lock``, held until the returned
+    file is closed or the process ends): two runs appending to one output would each
+    resume from a file the other is writing. ``ValueError`` naming ``--output`` when
+    another process holds it. Without ``fcntl`` (Windows) nothing is locked (None)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = open(f"{path}.lock", "a")  # noqa: SIM115 (held open: the lock lives with it)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise ValueError(f"--output {path!r}: another run is writing it (it holds "
+                         f"{path}.lock); wait for it or stop it, then rerun") from None
+    return f
 
 
 def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
@@ -88,11 +109,13 @@ def load_resume_state(output: str, inputs: list[InputRecord],
 
 def pending_records(inputs: list[InputRecord], done: set[str], output: str,
                     announce: bool = True) -> list[InputRecord]:
-    """The records still to run, repeated ids turned into error records; ``announce``
-    prints the resume line (one process of a run)."""
-    pending = [r for r in inputs if r.id not in done]
+    """The records still to run, repeated ids turned into error records (over the whole
+    input: the record of a repeated id that runs is always its first); error records
+    are always pending (their lines are written again). ``announce`` prints the resume
+    line (one process of a run)."""
+    mark_duplicates(inputs)
+    pending = [r for r in inputs if r.error is not None or r.id not in done]
     if announce and done:
         print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
               f"{output}", file=sys.stderr)
-    mark_duplicates(pending)
     return pending

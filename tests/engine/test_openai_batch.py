@@ -31,7 +31,7 @@ def _batch_lines() -> list[str]:
         _chat("c2", "once upon a time", max_completion_tokens=3, n=2, temperature=1.0,
               seed=5, logprobs=True, top_logprobs=1),
         _chat("streamed", "x", stream=True),
-        _chat("tools", "x", tools=[]),
+        _chat("tools", "x", tools=[{"type": "function", "function": {"name": "f"}}]),
     ]
 
 

@@ -140,3 +140,26 @@ def test_outputs_to_dict_is_json_ready():
     assert c.finished()
     assert not CompletionOutput(0, "", [], None).finished()
     assert CompletionOutput(0, "", [], None).to_dict()["logprobs"] is None
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    """Values computed with numpy (np.float32 temperature, np.int64 top_k / stop ids) are
+    accepted and stored as Python numbers; numpy booleans are not numbers here."""
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int32(7),
+                       stop_token_ids=[np.int64(4)], max_tokens=np.uint16(9))
+    assert (p.temperature, p.top_k, p.seed, p.stop_token_ids, p.max_tokens) == (
+        0.5, 3, 7, [4], 9)
+    assert all(type(v) in (int, float) for v in (p.temperature, p.top_k, p.seed,
+                                                 p.stop_token_ids[0], p.max_tokens))
+    with pytest.raises(ValueError, match=r"^n=np.True_: must be an integer"):
+        SamplingParams(n=np.bool_(True))
+    with pytest.raises(ValueError, match="temperature=nan"):
+        SamplingParams(temperature=np.float64("nan"))
+
+
+@pytest.mark.parametrize("ids", [[2**63], [10**20], [-1]])
+def test_stop_token_ids_must_fit_a_token_id(ids):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=ids)

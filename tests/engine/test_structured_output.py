@@ -217,7 +217,10 @@ def test_constrained_request_that_can_never_run_fails_alone(llm):
     """Checked at submission like any request, not later inside the step loop (where
     it would end the whole run): the batch is refused with its index named and nothing
     is left behind."""
-    too_long = SamplingParams(max_tokens=10**6, structured_outputs=SO(choice=["a", "b"]))
+    # A max_tokens past the model length is cut (as for any request); a prompt that
+    # leaves no room for min_tokens can never run.
+    too_long = SamplingParams(max_tokens=10**6, min_tokens=10**5,
+                              structured_outputs=SO(choice=["a", "b"]))
     with pytest.raises(ValueError, match=r"prompt 1: .*max_model_len"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), too_long], use_tqdm=False)
     assert not llm.engine.has_unfinished() and not llm.engine.structured.live

@@ -146,3 +146,20 @@ def test_gguf_user_defined_tokens_stay_whole_as_in_transformers(smollm2_path, tm
 
     _write_tokenizer_gguf(path, meta, tokens[:-3], types[:-3])  # the same path, rewritten
     assert think not in load_tokenizer(str(path)).encode("<think>", add_special_tokens=False)
+
+
+def test_a_chat_template_that_refuses_messages_is_a_value_error():
+    """Templates raise on messages they do not take (Mistral's "roles must alternate"):
+    that request's ValueError, so one such line of a batch fails alone."""
+    from deepinfer.random_model import build_bpe_tokenizer
+    from deepinfer.tokenizer import apply_chat_template
+
+    tok = build_bpe_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('Conversation roles must alternate') }}"
+                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    assert apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="chat template refuses these messages: "
+                                         "Conversation roles must alternate"):
+        apply_chat_template(tok, [{"role": "system", "content": "s"},
+                                  {"role": "user", "content": "hi"}])
