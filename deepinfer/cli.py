@@ -71,9 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(deepinfer's records, or an OpenAI batch file)")
     p.add_argument("--output", required=True, help=".jsonl; appended to, and resumed from")
     add_engine_flags(p)
-    s = p.add_argument_group("default sampling (per-record values override them)")
-    s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0)
+    s = p.add_argument_group(
+        "default sampling (per-record values override them; unset, deepinfer's records "
+        "take max-tokens 128 and temperature 0, an OpenAI batch file OpenAI's defaults: "
+        "temperature 1 and the rest of the context)")
+    s.add_argument("--max-tokens", type=int, default=None)
+    s.add_argument("--temperature", type=float, default=None)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=-1)
     s.add_argument("--seed", type=int, default=None)
@@ -111,11 +114,23 @@ def check_output_path(input_path: str, output: str) -> None:
                          "overwrite the prompts; name another file")
 
 
-def default_sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The CLI's default sampling; per-record overrides are applied on top."""
+# What a line leaves out when no flag sets it: deepinfer's own records are greedy and
+# short; an OpenAI batch line means what it means to OpenAI's API (and vLLM's run-batch):
+# temperature 1 and up to the rest of the context (the engine cuts max_tokens at
+# max_model_len).
+NATIVE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+OPENAI_DEFAULTS = {"max_tokens": 1 << 62, "temperature": 1.0}
+
+
+def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> SamplingParams:
+    """The CLI's default sampling (flags given, else the format's defaults); per-record
+    overrides are applied on top."""
+    defaults = OPENAI_DEFAULTS if openai else NATIVE_DEFAULTS
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, n=args.n,
+        max_tokens=defaults["max_tokens"] if args.max_tokens is None else args.max_tokens,
+        temperature=(defaults["temperature"] if args.temperature is None
+                     else args.temperature),
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
     )
 
 
@@ -123,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     world = torchrun_world_size()
     try:
-        default_params = default_sampling_params(args)
         engine_args = engine_args_from(args)
         engine_args.validate()
         check_output_path(args.input, args.output)
         inputs, fmt = open_job(args.input, args.format, engine_args.model)
+        default_params = default_sampling_params(args, openai=fmt is not NATIVE)
         if fmt is not NATIVE:
             warn_other_models(inputs, args.input, engine_args.model)
         if args.dp < 1:

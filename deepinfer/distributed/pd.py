@@ -44,6 +44,7 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.parts import part_path
 from deepinfer.jobs.records import NATIVE, write_record
 from deepinfer.jobs.summary import RunSummary
+from deepinfer.request_state import fit_to_model_len
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
 
@@ -211,14 +212,17 @@ class PDRounds:
                     ids = apply_chat_template(eng.tokenizer, r.messages)
                 elif ids is None and r.prompt is not None:
                     ids = eng.tokenize(r.prompt)
+                params = r.params
                 if ids is not None:
-                    need = self.sched.prefilled_blocks(len(ids), r.params.max_tokens)
-                    if need > max_blocks or len(ids) + r.params.max_tokens > max_len:
+                    # Cut at the shortest model length on the way (as add_request cuts).
+                    params = fit_to_model_len(r.request_id, len(ids), params,
+                                              min(max_len, eng.max_model_len))
+                    need = self.sched.prefilled_blocks(len(ids), params.max_tokens)
+                    if need > max_blocks:
                         raise ValueError(
                             f"request {r.request_id!r}: prompt + max_tokens needs {need} KV "
-                            f"blocks / {len(ids) + r.params.max_tokens} positions; no decode "
-                            f"rank has that many ({max_blocks} blocks, {max_len} positions)")
-                eng.add_request(r.request_id, r.prompt, ids, r.params)
+                            f"blocks; no decode rank has that many ({max_blocks} blocks)")
+                eng.add_request(r.request_id, r.prompt, ids, params)
             except ValueError as e:
                 self._write(self.fmt.error(r.request_id, str(e)))
 

@@ -55,6 +55,7 @@ def nan_model(tiny, tmp_path_factory) -> str:
 
 
 def _openai_line(cid: str, **body) -> dict:
+    body.setdefault("temperature", 0.0)  # OpenAI's default is 1: sampled
     chat = "messages" in body
     return {"custom_id": cid, "method": "POST",
             "url": "/v1/chat/completions" if chat else "/v1/completions", "body": body}

@@ -37,9 +37,10 @@ def _batch_lines() -> list[str]:
 
 @pytest.fixture(scope="module")
 def model_args(tiny_checkpoints) -> list[str]:
+    # --temperature 0: lines that leave it out are greedy (OpenAI's default is 1).
     return ["--model", tiny_checkpoints["llama_tied"].path, "--device", "cpu",
-            "--max-tokens", "6", "--kv-cache-memory", str(8 << 20), "--max-model-len", "64",
-            "--no-progress"]
+            "--max-tokens", "6", "--temperature", "0", "--kv-cache-memory", str(8 << 20),
+            "--max-model-len", "64", "--no-progress"]
 
 
 def _read(path) -> list[dict]:
@@ -412,3 +413,35 @@ def test_result_of_a_removed_custom_id_is_dropped(tmp_path, model_args, capfd):
     assert recs[1]["response"]["body"] == {"marker": "kept"}
     err = capfd.readouterr().err
     assert "'gone'" in err and "no line in the input" in err
+
+
+def test_openai_lines_default_to_openai_sampling():
+    """What a line leaves out: OpenAI's defaults in an OpenAI batch file (temperature 1,
+    up to the rest of the context), deepinfer's in its own records (greedy, 128 tokens);
+    a flag given on the command line is the default for both."""
+    from deepinfer.cli import build_parser, default_sampling_params
+
+    args = build_parser().parse_args(["--input", "i.jsonl", "--output", "o.jsonl"])
+    openai, native = default_sampling_params(args, openai=True), default_sampling_params(args)
+    assert openai.temperature == 1.0 and openai.max_tokens >= 1 << 40
+    assert native.temperature == 0.0 and native.max_tokens == 128
+    args = build_parser().parse_args(["--input", "i.jsonl", "--output", "o.jsonl",
+                                      "--temperature", "0.3", "--max-tokens", "7"])
+    for sp in (default_sampling_params(args, openai=True), default_sampling_params(args)):
+        assert (sp.temperature, sp.max_tokens) == (0.3, 7)
+
+
+def test_openai_line_without_max_tokens_runs_to_the_model_length(tmp_path, tiny_checkpoints):
+    """No max_tokens in the body and none on the command line: the line generates up to
+    max_model_len (``"length"``), as OpenAI's API and vLLM's run-batch do."""
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(_line("p", "/v1/completions", prompt="hello world", ignore_eos=True,
+                         temperature=0.0) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["--input", str(inp), "--output", str(out), "--model",
+                 tiny_checkpoints["llama_tied"].path, "--device", "cpu", "--kv-cache-memory",
+                 str(8 << 20), "--max-model-len", "32", "--no-progress"]) == 0
+    (rec,) = _read(out)
+    body = rec["response"]["body"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["total_tokens"] == 32
