@@ -64,7 +64,8 @@ class IncrementalDetokenizer:
     """Turns one sequence's output token ids into text, one token at a time.
 
     ``tokenizer``: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=...)``).
-    ``stop``: strings that end the output; the text is cut right before the first one.
+    ``stop``: strings that end the output; the text is cut right before the first one
+    (right after it with ``include_stop``).
     ``min_tokens``: stop strings are looked for only once the output has that many
     tokens (as EOS and stop tokens are banned before it; vLLM's rule).
 
@@ -75,8 +76,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or ()) if s]
@@ -126,7 +128,7 @@ class IncrementalDetokenizer:
             if i != -1 and (best == -1 or i < best):
                 best, self.stop_reason = i, s
         if best != -1:
-            self.text = self.text[:best]
+            self.text = self.text[:best + (len(self.stop_reason) if self.include_stop else 0)]
             self.stopped = True
 
     def _flush(self) -> str:

@@ -441,7 +441,7 @@ class LLMEngine:
                 index=i, text=req.text_of(st, self.tokenizer),
                 token_ids=list(st.seq.output_token_ids),
                 finish_reason=st.finish_reason, logprobs=st.logprobs,
-            )
+                stop_reason=req.stop_reason_of(st))
             for i, st in sorted(req.samples.items())
         ]
         return RequestOutput(

@@ -16,7 +16,8 @@ class CompletionOutput:
 
     ``finish_reason``: ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
     (``max_tokens`` or the model's length limit), ``"abort"``, or None while running.
-    ``logprobs``: None unless ``SamplingParams.logprobs`` was set.
+    ``logprobs``: None unless ``SamplingParams.logprobs`` was set. ``stop_reason``: the
+    stop string or ``stop_token_ids`` entry that ended it (None otherwise: EOS too).
     """
 
     index: int
@@ -24,6 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: SampleLogprobs | None = None
+    stop_reason: str | int | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,6 +37,7 @@ class CompletionOutput:
             "text": self.text,
             "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             "logprobs": None if self.logprobs is None
             else [{int(t): float(lp) for t, lp in d.items()} for d in self.logprobs],
         }

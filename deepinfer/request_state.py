@@ -61,10 +61,22 @@ class RequestState:
         if stop:
             detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                            skip_special_tokens=p.skip_special_tokens,
-                                           stop=stop, min_tokens=p.min_tokens)
+                                           stop=stop, min_tokens=p.min_tokens,
+                                           include_stop=p.include_stop_str_in_output)
         st = SampleState(seq, detok, [] if p.logprobs is not None else None)
         self.samples[seq.sample_index] = st
         return st, True
+
+    def stop_reason_of(self, st: SampleState) -> str | int | None:
+        """What stopped a sample, as vLLM reports it: the stop string that matched, or the
+        ``stop_token_ids`` entry it sampled; None for EOS, a length limit or a grammar."""
+        if st.detok is not None and st.detok.stopped:
+            return st.detok.stop_reason
+        ids = st.seq.output_token_ids
+        if (st.finish_reason == "stop" and ids
+                and ids[-1] in (self.params.stop_token_ids or ())):
+            return ids[-1]
+        return None
 
     def text_of(self, st: SampleState, tokenizer: Any) -> str:
         """The final text of a sample: the incremental one, or its tokens decoded once

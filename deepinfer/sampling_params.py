@@ -62,7 +62,8 @@ class SamplingParams:
       output get positive logits divided by it and negative ones multiplied by it.
     - ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI semantics, 0 = off):
       subtracted once per generated token type / once per occurrence.
-    - ``stop``: strings that end the completion (excluded from the text).
+    - ``stop``: strings that end the completion (excluded from the text unless
+      ``include_stop_str_in_output``).
     - ``stop_token_ids``: token ids that end the completion (besides EOS).
     - ``max_tokens`` >= 1, ``min_tokens`` in [0, max_tokens]: before ``min_tokens`` tokens
       EOS and ``stop_token_ids`` cannot be sampled, and ``stop`` strings are not looked for.
@@ -92,6 +93,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # numpy scalars (np.float32(0.5), np.int64(3)) are taken as the numbers they hold.
@@ -114,7 +116,7 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a finite number")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
 

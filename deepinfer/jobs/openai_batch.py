@@ -41,7 +41,8 @@ CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).
 _SAME_NAME = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
               "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-              "ignore_eos", "stop_token_ids", "skip_special_tokens"} & SAMPLING_KEYS
+              "ignore_eos", "stop_token_ids", "skip_special_tokens",
+              "include_stop_str_in_output"} & SAMPLING_KEYS
 # Accepted and without effect on one offline engine.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
             "parallel_tool_calls"}
@@ -225,6 +226,7 @@ class OpenAIFormat:
         for o in res.outputs:
             top = (rec.overrides or {}).get("logprobs")
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
+                                      "stop_reason": o.stop_reason,
                                       "logprobs": _logprobs(o, chat, top or 0)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": o.text}

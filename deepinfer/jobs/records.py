@@ -287,6 +287,8 @@ def result_record(res) -> dict[str, Any]:
     outputs = []
     for o in res.outputs:
         out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        if o.stop_reason is not None:
+            out["stop_reason"] = o.stop_reason
         if o.logprobs is not None:
             out["logprobs"] = [{str(t): float(lp) for t, lp in d.items()
                                 if math.isfinite(lp)} for d in o.logprobs]

@@ -51,9 +51,16 @@ def test_stop_string_trims_text(llm):
     stop = base[3:6]
     out = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                              stop=[stop]))[0].outputs[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base[: base.index(stop)]
     assert stop not in out.text
+    kept = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                              stop=[stop], include_stop_str_in_output=True)
+                )[0].outputs[0]
+    assert kept.text == base[: base.index(stop) + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == out.token_ids
+    assert _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+                )[0].outputs[0].stop_reason is None  # a length limit
 
 
 def test_stop_string_on_the_last_allowed_token_is_a_stop(llm):
@@ -117,6 +124,7 @@ def test_stop_token_ids_and_min_tokens(llm):
                                                  ignore_eos=True, stop_token_ids=[first]))
     assert stopped[0].outputs[0].token_ids == [first]
     assert stopped[0].outputs[0].finish_reason == "stop"
+    assert stopped[0].outputs[0].stop_reason == first
     late = _gen(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                               stop_token_ids=[first], min_tokens=3))
     toks = late[0].outputs[0].token_ids
