@@ -45,7 +45,8 @@ def warn_other_models(records: list[InputRecord], path: str, model: str | None) 
     """One warning when lines of an OpenAI batch file name another ``body.model``: the
     loaded model serves them all (as vLLM's run-batch does)."""
     name = model_name(model)
-    others = sorted({r.model for r in records if r.model and r.model != name})
+    # A hub id names the model by its last part, as the loaded path does.
+    others = sorted({r.model for r in records if r.model and model_name(r.model) != name})
     if others:
         print(f"deepinfer-generate: warning: {path} names model(s) {others[:3]}; "
               f"every line runs on the loaded model {name!r}", file=sys.stderr)

@@ -208,25 +208,29 @@ def line_key(line: dict[str, Any]) -> str:
     return str(line["id"])
 
 
-def valid_lines(path: str) -> Iterator[tuple[int, bytes, str, dict[str, Any]]]:
+def valid_lines(path: str, skipped: list[int] | None = None
+                ) -> Iterator[tuple[int, bytes, str, dict[str, Any]]]:
     """``(offset, raw_line, key, record)`` of each whole output record of ``path``, in file
     order (``key``: ``line_key``).
 
     The one rule for a valid output line: a whole line (it ends with a newline) holding a
-    JSON object with an ``id``. Stops at the first line that is not (a killed writer
-    leaves at most its last line torn; what follows it is dropped)."""
+    JSON object with an ``id``. A killed writer leaves at most its last line torn (no
+    newline): that ends the file. A whole line that is not valid (edited by hand, or a
+    torn line a later run appended to) is passed over, its 1-based number appended to
+    ``skipped``: the records after it stay."""
     offset = 0
     with open(path, "rb") as f:
-        for raw in f:
+        for lineno, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
                 return
             try:
                 rec = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                return
-            if not isinstance(rec, dict) or "id" not in rec:
-                return
-            yield offset, raw, line_key(rec), rec
+                rec = None
+            if isinstance(rec, dict) and "id" in rec:
+                yield offset, raw, line_key(rec), rec
+            elif skipped is not None:
+                skipped.append(lineno)
             offset += len(raw)
 
 

@@ -1,7 +1,8 @@
 """Resume: which records a killed or finished run already wrote.
 
 A killed writer leaves at most its last line torn; ``records.valid_lines`` (the one rule
-for a valid output line) stops there, and the torn tail is cut off before appending.
+for a valid output line) stops there, and the torn tail is cut off before appending. A
+whole line that is not a record is dropped with a warning (its record runs again).
 
 OpenAI batch lines (objects with a ``custom_id``) are held to "one output line per input
 line, in input order" here, at the start of every run, so that it holds even when
@@ -57,7 +58,8 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
     dropped = False
     openai = False  # the file holds OpenAI batch lines: keep them in input order
     stale: list[str] = []
-    for offset, raw, key, rec in valid_lines(path):
+    unreadable: list[int] = []
+    for offset, raw, key, rec in valid_lines(path, unreadable):
         good_end = offset + len(raw)
         # A line with NaN / Infinity (an older deepinfer wrote -Infinity logprobs) is not
         # JSON: not done, so it is dropped and its record runs again.
@@ -74,6 +76,12 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
             kept.append((order.get(key, len(order)) if order is not None else 0, raw))
         else:
             dropped = True
+    if unreadable:
+        dropped = True
+        where = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+        print(f"deepinfer-generate: warning: {path}: dropped {len(unreadable)} line(s) that "
+              f"are not output records (line {where}); their records run again",
+              file=sys.stderr)
     if stale:
         names = ", ".join(repr(c) for c in stale[:5]) + (", ..." if len(stale) > 5 else "")
         print(f"deepinfer-generate: warning: {path}: dropped {len(stale)} result line(s) "
@@ -104,6 +112,7 @@ def load_resume_state(output: str, inputs: list[InputRecord],
     the file)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fold_part_files(output, inputs)
+    open(output, "a").close()  # an empty input still leaves its (empty) output
     return load_done_ids(output, final, input_order(r.id for r in inputs))
 
 

@@ -65,6 +65,46 @@ def _errors(recs: list[dict]) -> list[dict]:
     return [r for r in recs if r.get("error") is not None]
 
 
+# ----------------------------------------------------------------- resume, empty input
+def test_a_bad_line_inside_the_output_loses_nothing_after_it(tmp_path, model_args, capsys):
+    """A whole line that is not a record (a blank line, an edit) in the middle of the
+    output is dropped with a warning naming it; the records after it are kept, not run
+    again."""
+    inp = _write_lines(tmp_path / "in.jsonl", [_native(id=k, prompt=f"p {k}", max_tokens=2)
+                                              for k in ("a", "b", "c")])
+    out = tmp_path / "out.jsonl"
+    assert _run(inp, out, model_args) == 0
+    a, b, c = out.read_text().splitlines()
+    out.write_text("\n".join([a, "", "not a record", b]) + "\n")
+    capsys.readouterr()
+    assert _run(inp, out, model_args) == 0
+    err = capsys.readouterr().err
+    assert "dropped 2 line(s) that are not output records (line 2, 3)" in err
+    assert "2 of 3 records already in" in err  # b was kept past the bad lines
+    lines = out.read_text().splitlines()
+    assert lines[:2] == [a, b] and [json.loads(x)["id"] for x in lines] == ["a", "b", "c"]
+
+
+def test_empty_input_leaves_an_empty_output(tmp_path, model_args):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n\n")
+    out = tmp_path / "sub" / "out.jsonl"
+    assert _run(inp, out, model_args) == 0
+    assert out.read_bytes() == b""
+
+
+def test_a_hub_model_id_naming_the_loaded_model_does_not_warn(tmp_path, model_args, capsys):
+    inp = _write_lines(tmp_path / "in.jsonl", [
+        _line("a", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+              model="some-org/llama_tied"),
+        _line("b", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+              model="other-org/other-model")])
+    capsys.readouterr()
+    assert _run(inp, tmp_path / "out.jsonl", model_args) == 0
+    err = capsys.readouterr().err
+    assert "names model(s) ['other-org/other-model']" in err
+
+
 # ----------------------------------------------------------------- 1. output paths
 @pytest.mark.parametrize("kind", ["txt", "openai"])
 @pytest.mark.parametrize("spelling", ["same", "dotted"])
