@@ -62,6 +62,9 @@ class EngineArgs:
         1, "ranks one model is split over (one GPU each on CUDA; gloo processes on CPU)",
         flag="--tp", aliases=("--tensor-parallel-size",))
     engine_type: str = option("normal", "normal, prompt or completion", cli=False)
+    seed: int | None = option(
+        None, "seed of the random stream that requests without a seed of their own draw "
+        "from (None: torch's global generator)", cli=False)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""
@@ -84,6 +87,9 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization}: expected (0, 1]"
             )
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or isinstance(self.seed, bool)):
+            raise ValueError(f"seed={self.seed!r}: expected an integer or None")
         if self.engine_type.lower() not in ("normal", "prompt", "completion"):
             raise ValueError(
                 f"engine_type={self.engine_type!r}: expected normal, prompt or completion"

@@ -72,6 +72,7 @@ class ModelRunner:
         capture_graphs: bool = False,
         tp: TPGroup = SINGLE,
         channel: StepChannel | None = None,
+        seed: int | None = None,
     ) -> None:
         self.model = model
         self.tp = tp
@@ -84,7 +85,9 @@ class ModelRunner:
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
         # The Triton draw on a GPU; on a CPU (the interpreter) the torch one is 50x faster.
-        self.sampler = Sampler(backend if device.type == "cuda" else None)
+        self.sampler = Sampler(backend if device.type == "cuda" else None,
+                               None if seed is None
+                               else torch.Generator(device).manual_seed(seed % (1 << 63)))
         # A follower never samples: one row keeps the shapes valid.
         self.states = Sampler.make_state(spec.max_num_seqs if tp.leader else 1,
                                          cfg.vocab_size, device)

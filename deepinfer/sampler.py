@@ -156,10 +156,12 @@ class Sampler:
     ``ops``: the kernel provider whose ``sample_tokens`` draws every sampled row (one
     fused kernel on a GPU): from the logits as they are when a row only scales by a
     temperature, after the torch filters when top-k/top-p/min-p are on; default
-    ``kernels.reference`` (torch)."""
+    ``kernels.reference`` (torch). ``generator``: where the uniforms of rows without a
+    seed of their own come from (None: torch's global generator)."""
 
-    def __init__(self, ops: Any = None) -> None:
+    def __init__(self, ops: Any = None, generator: torch.Generator | None = None) -> None:
         self.ops = reference if ops is None else ops
+        self.generator = generator
 
     @staticmethod
     def make_state(max_num_seqs: int, vocab_size: int,
@@ -289,7 +291,8 @@ class Sampler:
         a filter is on (``sample`` then made it a copy)."""
         uniform = st.floats[_UNIFORM]
         if not st.all_seeded:
-            fresh = torch.rand(uniform.shape, device=uniform.device)
+            fresh = torch.rand(uniform.shape, device=uniform.device,
+                               generator=self.generator)
             uniform = torch.where(uniform.isnan(), fresh, uniform) if st.any_seeded else fresh
         if not (st.do_top_k or st.do_top_p or st.do_min_p):
             return self.ops.sample_tokens(logits, st.temperatures, uniform)

@@ -127,7 +127,7 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     runner = ModelRunner(
         model, cfg, device=device, dtype=dtype, backend=backend, spec=spec,
         capture_graphs=graphs, tp=group,
-        channel=tp.channel if tp is not None else None,
+        channel=tp.channel if tp is not None else None, seed=args.seed,
     )
     return Worker(device, backend, path, model, cfg, dtype, max_len, spec, runner)
 

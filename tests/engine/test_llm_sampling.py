@@ -233,3 +233,25 @@ def test_seeded_sampling_follows_the_distribution():
     tokens, _ = Sampler().sample(logits, st)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03), freq
+
+
+def test_engine_seed_makes_unseeded_requests_reproducible(tiny_checkpoints):
+    """LLM(seed=...): requests without a seed draw from the engine's own stream, so the
+    same calls give the same tokens, whatever the program draws from torch in between."""
+    import torch
+
+    runs = []
+
+    def run(seed):
+        llm = LLM(tiny_checkpoints["llama_tied"].path, dtype="float32", device="cpu",
+                  kv_cache_memory=8 << 20, seed=seed)
+        runs.append(seed)
+        torch.manual_seed(1000 + len(runs))  # the global stream differs each run
+        sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in _gen(llm, [PROMPT, OTHER[0]], sp)]
+
+    first = run(11)
+    assert run(11) == first
+    assert run(12345) != first
+    with pytest.raises(ValueError, match="seed"):
+        LLM(tiny_checkpoints["llama_tied"].path, device="cpu", seed="11")
