@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=None)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None, dest="request_seed",
+                   help="the seed of every line without its own (each line then samples "
+                   "reproducibly alone; --engine-seed seeds the run's stream instead)")
     s.add_argument("--n", type=int, default=1)
     j = p.add_argument_group("job")
     j.add_argument("--chat", action="store_true",
@@ -130,7 +132,7 @@ def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> S
         max_tokens=defaults["max_tokens"] if args.max_tokens is None else args.max_tokens,
         temperature=(defaults["temperature"] if args.temperature is None
                      else args.temperature),
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
+        top_p=args.top_p, top_k=args.top_k, seed=args.request_seed, n=args.n,
     )
 
 

@@ -64,7 +64,7 @@ class EngineArgs:
     engine_type: str = option("normal", "normal, prompt or completion", cli=False)
     seed: int | None = option(
         None, "seed of the random stream that requests without a seed of their own draw "
-        "from (None: torch's global generator)", cli=False)
+        "from (None: torch's global generator)", type=int, flag="--engine-seed")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""
