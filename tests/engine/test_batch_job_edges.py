@@ -172,7 +172,7 @@ def test_repeated_id_error_line_is_rewritten_on_resume(tmp_path, model_args):
     assert next(r for r in _read(out) if "outputs" in r) == result_line
 
 
-# ----------------------------------------------------------------- 3. lone surrogates
+# ----------------------------------------------------------------- 3-4. lone surrogates, bytes not UTF-8
 def test_lone_surrogate_custom_id_fails_its_line_alone(tmp_path, model_args):
     bad = json.dumps({"custom_id": "bad\ud800", "method": "POST", "url": CHAT_URL,
                       "body": {"messages": [{"role": "user", "content": "hi"}],
@@ -191,32 +191,21 @@ def test_lone_surrogate_custom_id_fails_its_line_alone(tmp_path, model_args):
         assert r["error"] is None and r["response"]["status_code"] == 200
 
 
-def test_lone_surrogate_prompt_fails_its_line_alone(tmp_path, model_args):
-    bad = json.dumps({"id": "b", "prompt": "x\ud800y"}, ensure_ascii=True)
-    assert "\\ud800" in bad
-    inp = _write_lines(tmp_path / "in.jsonl", [_native(id="a", prompt="hello", max_tokens=2),
-                                               bad, _native(id="c", prompt="hi", max_tokens=2)])
-    out = tmp_path / "out.jsonl"
-    assert _run(inp, out, model_args) == 1
-    recs = {r["id"]: r for r in _read(out)}
-    assert set(recs) == {"a", "2", "c"}
-    msg = recs["2"]["error"]
-    assert "line 2" in msg and "surrogate" in msg, msg
-    assert "outputs" in recs["a"] and "outputs" in recs["c"]
-
-
-# ----------------------------------------------------------------- 4. non-UTF-8 bytes
-def test_non_utf8_line_of_native_jsonl_fails_alone(tmp_path, model_args):
+@pytest.mark.parametrize("bad, words", [
+    # A lone surrogate escape: valid JSON, but no tokenizer or UTF-8 writer takes it.
+    (json.dumps({"id": "b", "prompt": "x\ud800y"}, ensure_ascii=True).encode(), "surrogate"),
+    (b'{"id": "b", "prompt": "caf\xe9"}', "not UTF-8"),
+])
+def test_a_bad_native_line_fails_alone(tmp_path, model_args, bad, words):
     inp = tmp_path / "in.jsonl"
-    inp.write_bytes(_native(id="a", prompt="hello", max_tokens=2).encode() + b"\n"
-                    + b'{"id": "b", "prompt": "caf\xe9"}\n'
-                    + _native(id="c", prompt="hi", max_tokens=2).encode() + b"\n")
+    inp.write_bytes(_native(id="a", prompt="hello", max_tokens=2).encode() + b"\n" + bad
+                    + b"\n" + _native(id="c", prompt="hi", max_tokens=2).encode() + b"\n")
     out = tmp_path / "out.jsonl"
     assert _run(inp, out, model_args) == 1
     recs = {r["id"]: r for r in _read(out)}
     assert set(recs) == {"a", "2", "c"}
     msg = recs["2"]["error"]
-    assert "line 2" in msg and "not UTF-8" in msg, msg
+    assert "line 2" in msg and words in msg, msg
     assert "outputs" in recs["a"] and "outputs" in recs["c"]
 
 
