@@ -172,7 +172,7 @@ def test_repeated_id_error_line_is_rewritten_on_resume(tmp_path, model_args):
     assert next(r for r in _read(out) if "outputs" in r) == result_line
 
 
-# ----------------------------------------------------------------- 3-4. lone surrogates, bytes not UTF-8
+# ---------------------------------------------------- 3-4. lone surrogates, bytes not UTF-8
 def test_lone_surrogate_custom_id_fails_its_line_alone(tmp_path, model_args):
     bad = json.dumps({"custom_id": "bad\ud800", "method": "POST", "url": CHAT_URL,
                       "body": {"messages": [{"role": "user", "content": "hi"}],
