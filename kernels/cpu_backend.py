@@ -193,7 +193,9 @@ def gathered_decode_attention(
     # sequence's first block there instead (masked anyway) so no such id is dereferenced.
     tables = block_tables.index_select(0, order)[:, :width].long()
     cols = torch.arange(width, device=q.device)
-    tables = torch.where(cols[None, :] < need[:, None], tables, tables[:, :1])
+    # A length-0 sequence's row may be all padding: block 0 there (its output is zeroed).
+    first = torch.where(need[:, None] > 0, tables[:, :1], 0)
+    tables = torch.where(cols[None, :] < need[:, None], tables, first)
 
     q_sorted = q.index_select(0, order).float().view(b, hkv, group, d)
     o_sorted = torch.empty((b, hkv, group, d), dtype=torch.float32, device=q.device)

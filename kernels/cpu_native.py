@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,6 +30,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from kernels.validation import check_out
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
@@ -70,8 +73,9 @@ def _compile(cc: str, flags: list[str], out: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True,
-                              text=True, timeout=300)
+        # CC may hold a launcher or flags ("ccache gcc"), as make reads it.
+        proc = subprocess.run([*shlex.split(cc), *flags, "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return (proc.stderr or proc.stdout).strip()[-2000:]
         os.replace(tmp, out)  # concurrent builders each finish their own file
@@ -128,7 +132,7 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bf16 cache (both caches alike, contiguous), block size <= 64, at most 64 query heads
     per KV head, head dim a multiple of 8 and <= 512, int32/int64 block tables. Builds
     the library on first call."""
-    if q.device.type != "cpu" or k_cache.device.type != "cpu" or q.dim() != 3:
+    if q.dim() != 3 or any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
         return False
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
         return False
@@ -175,6 +179,8 @@ def paged_decode_attention(
     scale = d**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
+    else:  # the C kernel writes B x Hq x D floats through its pointer: never past it
+        check_out(out, q)
     if b == 0:
         return out
     # The scale folded into q once (B x Hq x D multiplies, not one per score).

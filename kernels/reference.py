@@ -100,7 +100,9 @@ def paged_decode_attention(
     table = block_tables[:, :width].long()
     slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, L]
     valid = pos[None, :] < seq_lens[:, None]  # [B, L]
-    slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
+    # A length-0 sequence's table may be all padding: it reads slot 0 (and gets zeros).
+    first = torch.where(seq_lens[:, None] > 0, slots[:, :1], 0)
+    slots = torch.where(valid, slots, first).reshape(-1)
     k, v = (cache.view(-1, hkv, d).index_select(0, slots).view(b, length, hkv, d).float()
             for cache in (k_cache, v_cache))
     # GQA: the group's query heads act as the query axis of one SDPA per kv head.
@@ -109,6 +111,7 @@ def paged_decode_attention(
         qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
         scale=scale,
     )
+    o = torch.where((seq_lens > 0)[:, None, None, None], o, 0.0)  # no key: zeros, not NaN
     out.copy_(o.reshape(b, hq, d))
     return out
 

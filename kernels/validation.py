@@ -104,6 +104,8 @@ def check_kv_caches(
     v = check_tensor("v_cache", v_cache, ndim=4, dtypes=(k.dtype,), device=k.device,
                      contiguous=True)
     check_shape("v_cache", v, k.shape)
+    if k.shape[1] < 1:  # the kernels divide positions by it
+        fail("k_cache", "block_size >= 1 (dim 1)", f"shape {tuple(k.shape)}")
     return k, v
 
 

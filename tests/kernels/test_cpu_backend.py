@@ -132,6 +132,16 @@ def test_decode_zero_length_sequence_and_empty_batch(impl):
     got, want = _decode_both(q, kv, impl)
     assert_close(got, want, F32)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+    # Its table row may be all padding (-1): never dereferenced, by either path.
+    kv.block_tables[1] = -1
+    for dtype in (F32, F16):  # fp32: the C kernel where built; fp16: the gathered path
+        c = (kv.k_cache.to(dtype), kv.v_cache.to(dtype))
+        out = torch.full_like(q, float("nan")).to(dtype)
+        got = impl(q.to(dtype), *c, kv.block_tables, kv.seq_lens, out=out)
+        want = reference.paged_decode_attention(q.to(dtype), *c, kv.block_tables,
+                                                kv.seq_lens)
+        assert_close(got, want, dtype)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
     empty = q[:0]
     out = impl(empty, kv.k_cache, kv.v_cache, kv.block_tables[:0], kv.seq_lens[:0])
     assert out.shape == (0, 4, 16)

@@ -225,6 +225,31 @@ def test_failing_compiler_warns_once_and_torch_path_runs(tmp_path):
 
 
 @needs_cc
+def test_compiler_with_a_launcher_or_flags_in_cc(tmp_path):
+    """CC is split as make splits it: "gcc -O1" is a compiler and a flag, not a name."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    res = _child(tmp_path, CC=f"{cc} -O1")
+    assert res == {"lib": True, "close": True, "warnings": []}
+
+
+@needs_cc
+def test_out_of_another_shape_or_device_is_refused():
+    """The C kernel writes B x Hq x D floats through ``out``'s pointer: an ``out`` of
+    another shape is a ValueError naming it, and a cache off the CPU is not taken."""
+    g = generator(31)
+    kv = _paged_kv([10, 3], 8, 2, 16, F32, g)
+    q = randn((2, 4, 16), F32, g).cpu()
+    small = torch.full((1, 4, 16), float("nan"))
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 4, 16\)"):
+        cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                          kv.seq_lens, out=small)
+    assert torch.isnan(small).all()  # nothing written
+    meta_v = torch.empty(kv.v_cache.shape, device="meta")
+    assert not cpu_native.can_decode(q, kv.k_cache, meta_v, kv.block_tables, kv.seq_lens)
+    assert cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+
+
+@needs_cc
 def test_build_is_cached_per_source_and_flags(tmp_path):
     """A fresh cache directory gets one library; a second process reuses it."""
     first = _child(tmp_path)

@@ -64,6 +64,18 @@ def test_decode_rejects(name, mutate):
         kernels.paged_decode_attention(**args)
 
 
+@pytest.mark.parametrize("fn, make", [(lambda **a: kernels.paged_decode_attention(**a),
+                                       _decode_args),
+                                      (lambda **a: kernels.paged_prefill_attention(**a),
+                                       _prefill_args)])
+def test_caches_of_block_size_zero_are_refused(fn, make):
+    """The kernels divide positions by the block size: 0 is named, never launched."""
+    args = make()
+    args["k_cache"], args["v_cache"] = args["k_cache"][:, :0], args["v_cache"][:, :0]
+    with pytest.raises(ValueError, match=r"k_cache: expected block_size >= 1"):
+        fn(**args)
+
+
 @pytest.mark.parametrize("name, mutate", ATTN_BAD + [
     ("query_start_loc", lambda a: a["query_start_loc"].long()),
     ("query_start_loc", lambda a: a["query_start_loc"][:2]),
