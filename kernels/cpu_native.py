@@ -39,6 +39,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64
 _MAX_DIM = 512
+# The kernel keeps a sequence's Hq x D floats on the thread's stack (a few of them).
+_MAX_HEADS_X_DIM = 1 << 17
 _BAD_SHAPE = 1
 # -Wno-psabi: without -march=native GCC notes that 32-byte vectors change the (internal) ABI.
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi"]
@@ -130,8 +132,8 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
     """Whether :func:`paged_decode_attention` takes these inputs: CPU tensors, an fp32 or
     bf16 cache (both caches alike, contiguous), block size <= 64, at most 64 query heads
-    per KV head, head dim a multiple of 8 and <= 512, int32/int64 block tables. Builds
-    the library on first call."""
+    per KV head, head dim a multiple of 8 and <= 512 (heads x dim <= 2**17, held on a
+    thread's stack), int32/int64 block tables. Builds the library on first call."""
     if q.dim() != 3 or any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
         return False
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
@@ -143,7 +145,7 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
     if (block_size > MAX_BLOCK_SIZE or hkv == 0 or hq % hkv or hq // hkv > _MAX_GROUP
-            or d > _MAX_DIM or d % 8 or q.shape[2] != d):
+            or d > _MAX_DIM or d % 8 or q.shape[2] != d or hq * d > _MAX_HEADS_X_DIM):
         return False
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
         return False

@@ -180,6 +180,12 @@ def test_inputs_it_does_not_take_fall_back_to_torch():
         want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache,
                                                 kv.block_tables, kv.seq_lens)
         assert_close(got, want, dtype)
+    # More query heads x head dim than a thread's stack holds: not the C kernel's either.
+    many = torch.empty(1, 2048, 512)
+    cache = torch.empty(1, 8, 32, 512)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    assert not cpu_native.can_decode(many, cache, cache, tables, lens)
+    assert cpu_native.can_decode(many[:, :256], cache, cache, tables, lens) == HAS_CC
 
 
 _CHILD = textwrap.dedent("""
