@@ -151,6 +151,14 @@ class BlockPool:
             self._cached[h] = b
         return b
 
+    def chain_block(self, h: int, tokens: tuple[int, ...], own: int) -> int:
+        """The block a chain continues from after a sequence's block ``own`` (chain hash
+        ``h``, ``tokens``) registered in an earlier step: the block the cache holds for
+        it (``own``, or another sequence's copy that took the hash first), else ``own``.
+        ``register`` returns the same within one call."""
+        owner = self._cached.get(h) if self.enable_caching else None
+        return owner if owner is not None and self._tokens[owner] == tokens else own
+
     # ------------------------------------------------------------------ checks
     def check(self, references: dict[int, int]) -> None:
         """Assert pool consistency given ``references`` (block -> number of block-table

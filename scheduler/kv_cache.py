@@ -176,7 +176,10 @@ class KVCache:
         slot = seq.slot
         block = self._block_id
         register = self.pool.register
-        parent = block(slot, i0 - 1) if i0 else -1
+        # Where the chain stands: the cached copy of the last block registered (another
+        # sequence's when it took the hash first), so that lookups reach what follows.
+        parent = -1 if not i0 else self.pool.chain_block(
+            hashes[i0 - 1], tuple(seq.token_slice((i0 - 1) * bs, i0 * bs)), block(slot, i0 - 1))
         for i in range(i0, nfull):
             toks = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             if i < len(hashes):

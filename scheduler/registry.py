@@ -28,6 +28,10 @@ def validate_request(config: SchedulerConfig, request_id: str, prompt: list[int]
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens={max_tokens!r} must be >= 1")
     else:
+        if c.engine_type is EngineType.PROMPT:
+            raise ValueError(f"request {rid!r}: a PROMPT engine only prefills; a prefilled "
+                             "sequence would never be decoded (import it into a "
+                             "COMPLETION or NORMAL engine)")
         if not prompt or not outputs:
             raise ValueError(f"request {rid!r}: add_prefilled needs a prompt and at least "
                              "one output token")

@@ -104,3 +104,23 @@ def test_prefix_computed_twice_in_one_step_stays_reachable():
         assert run_prompt(s, r, f"u{i}", u) == 12, i
     assert run_prompt(s, r, "t2", t) == 12
     s.check_invariants()
+
+
+def test_blocks_registered_steps_after_a_shared_one_stay_reachable():
+    """A sequence whose block another sequence cached first (same prefix, same step)
+    registers its later blocks in later steps (the next chunk of its prompt, its
+    generated tokens): they chain on from the cached copy, so a prompt extending it hits
+    all of them, with or without the neighbour."""
+    def cached(with_neighbour: bool) -> int:
+        s = make(num_blocks=64, block_size=BS, max_num_batched_tokens=16)
+        r = FakeRunner(s)
+        if with_neighbour:
+            s.add_request("a", A + B + [20, 21, 22, 23], 1)
+        s.add_request("b", A + B + [30, 31, 32, 33, 34, 35, 36, 37], 1)  # cut by the budget
+        run_to_completion(s, r)
+        hits = run_prompt(s, r, "c", A + B + [30, 31, 32, 33, 34, 35, 36, 37, 99])
+        s.check_invariants()
+        return hits
+
+    assert cached(False) == 16
+    assert cached(True) == 16

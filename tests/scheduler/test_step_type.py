@@ -38,6 +38,10 @@ def test_prompt_engine_always_prefills():
     assert out.is_prompt and out.seq_ids == [0] and out.num_samples == 1
     assert step(s, r).is_prompt
     assert s.decode_step == 0 and s.stats.num_decode_steps == 0
+    # A prefilled sequence would never be decoded (a PROMPT engine never decodes): refused.
+    with pytest.raises(ValueError, match="request 'x': a PROMPT engine only prefills"):
+        s.add_prefilled("x", [1, 2, 3], [4], 5)
+    assert not s.get_sequences("x")
 
 
 def test_completion_engine_always_decodes():
