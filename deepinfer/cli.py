@@ -23,7 +23,7 @@ from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
-from deepinfer.jobs.resume import lock_output
+from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.sampling_params import SamplingParams
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args.validate()
         check_output_path(args.input, args.output)
         inputs, fmt = open_job(args.input, args.format, engine_args.model)
+        check_output_format(args.output, openai=fmt is not NATIVE)
         default_params = default_sampling_params(args, openai=fmt is not NATIVE)
         if fmt is not NATIVE:
             warn_other_models(inputs, args.input, engine_args.model)

@@ -43,6 +43,21 @@ def lock_output(path: str) -> Any:
     return f
 
 
+def check_output_format(path: str, openai: bool) -> None:
+    """``ValueError`` naming ``--output`` when it already holds records of the other
+    format (resume would take none of them as done, and drop them all): judged by its
+    first record."""
+    if not os.path.isfile(path):
+        return
+    for _, _, _, rec in valid_lines(path):
+        if ("custom_id" in rec) != openai:
+            held, job = (("deepinfer's own records", "an OpenAI batch file") if openai
+                         else ("OpenAI batch lines", "deepinfer's own records"))
+            raise ValueError(f"--output {path!r} holds {held} and the input is {job}: "
+                             "name another output file")
+        return
+
+
 def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
                   order: dict[str, int] | None = None) -> set[str]:
     """Keys (``records.line_key``) already in the output file; a torn last line (killed

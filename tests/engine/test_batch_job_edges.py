@@ -105,6 +105,24 @@ def test_a_hub_model_id_naming_the_loaded_model_does_not_warn(tmp_path, model_ar
     assert "names model(s) ['other-org/other-model']" in err
 
 
+def test_an_output_of_the_other_format_is_refused(tmp_path, model_args, capsys):
+    """Resume would take none of another format's lines as done and drop them all."""
+    native_in = _write_lines(tmp_path / "in.jsonl", [_native(id="a", prompt="hi",
+                                                             max_tokens=2)])
+    openai_in = _write_lines(tmp_path / "batch.jsonl", [_chat("a", "hi", max_tokens=2)])
+    native_out, openai_out = tmp_path / "native.jsonl", tmp_path / "openai.jsonl"
+    assert _run(native_in, native_out, model_args) == 0
+    assert _run(openai_in, openai_out, model_args) == 0
+    before = native_out.read_bytes(), openai_out.read_bytes()
+    capsys.readouterr()
+    assert _run(openai_in, native_out, model_args) == 2
+    assert "holds deepinfer's own records and the input is an OpenAI batch file" in (
+        capsys.readouterr().err)
+    assert _run(native_in, openai_out, model_args) == 2
+    assert "holds OpenAI batch lines" in capsys.readouterr().err
+    assert (native_out.read_bytes(), openai_out.read_bytes()) == before
+
+
 # ----------------------------------------------------------------- 1. output paths
 @pytest.mark.parametrize("kind", ["txt", "openai"])
 @pytest.mark.parametrize("spelling", ["same", "dotted"])
