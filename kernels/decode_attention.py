@@ -267,7 +267,10 @@ def paged_decode_attention(
     ``num_splits`` forces the number of KV splits (1 = unsplit, at most 64); by default it
     is chosen from the GPU's SM count. ``max_seq_len`` is an optional host-int upper bound on
     ``seq_lens`` used to size the splits (default: ``max_blocks * block_size``); seq_lens
-    itself is never read on the host.
+    itself is never read on the host. Nor are the table's values: the caller guarantees
+    ``seq_lens[b] <= max_blocks * block_size`` and valid block ids in the first
+    ``cdiv(seq_lens[b], block_size)`` entries of row b (the scheduler's tables are; a host
+    check would be a sync per step).
     """
     q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
         q, k_cache, v_cache, block_tables, seq_lens)

@@ -220,7 +220,9 @@ def paged_prefill_attention(
     ``seq_lens[b] - q_len_b + i`` and sees keys ``0..position``. Returns ``[T, Hq, D]``.
 
     ``max_query_len`` is an optional host-int bound on the per-sequence query counts that
-    sizes the grid (default T; extra programs exit at once).
+    sizes the grid (default T; extra programs exit at once): a smaller one leaves rows
+    unwritten. Block ids are not read on the host either: the first
+    ``cdiv(seq_lens[b], block_size)`` entries of row b must be valid (as for decode).
     """
     q, k_cache, v_cache, block_tables, seq_lens = check_attention_common(
         q, k_cache, v_cache, block_tables, seq_lens)
