@@ -65,6 +65,9 @@ def unsupported_schema_part(schema: Any, path: str = "") -> str | None:
             return f"'{kw}' at {path or '/'}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' with {len(schema['allOf'])} subschemas at {path or '/'}"
+    found = _unenforced_combination(schema)
+    if found:
+        return f"{found} at {path or '/'}"
     for kw, how in _SUBSCHEMAS.items():
         sub = schema.get(kw)
         if how == "one":
@@ -82,6 +85,33 @@ def unsupported_schema_part(schema: Any, path: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+def _unenforced_combination(schema: dict[str, Any]) -> str | None:
+    """Keyword uses xgrammar (0.2.9) compiles but does not enforce (each seen breaking
+    an output): ``required`` naming a key ``properties`` lacks (strict mode drops
+    unlisted keys), a length bound beside ``pattern`` / ``format`` / ``enum``,
+    ``multipleOf`` on non-integers, and a ``pattern`` that matches ``"`` or ``\\`` (its
+    characters go into the JSON string unescaped)."""
+    req, props = schema.get("required"), schema.get("properties")
+    if isinstance(req, list):
+        missing = [k for k in req if not isinstance(props, dict) or k not in props]
+        if missing:
+            return f"'required' naming {missing[0]!r}, which 'properties' lacks,"
+    bound = next((k for k in ("minLength", "maxLength") if k in schema), None)
+    other = next((k for k in ("pattern", "format", "enum") if k in schema), None)
+    if bound and other:
+        return f"{bound!r} with {other!r}"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return "'multipleOf' on a non-integer type"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _JSON_ESCAPED_IN_PATTERN.search(pattern):
+        return "a 'pattern' matching '\"' or '\\'"
+    return None
+
+
+# A quote, or a regex escape of a backslash or quote, in a pattern's text.
+_JSON_ESCAPED_IN_PATTERN = re.compile(r'"|\\\\|\\x(?:22|5[cC])|\\u00(?:22|5[cC])')
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:

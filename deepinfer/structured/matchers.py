@@ -158,10 +158,26 @@ class StructuredOutputs:
         """Register a constrained request and start compiling its grammar. ``ValueError``
         (naming the field) when the schema/regex/grammar is not supported; nothing is
         registered then. ``park``: hold it back from the scheduler until compiled (an
-        imported sequence is in the scheduler already: its first step waits instead)."""
+        imported sequence is in the scheduler already: its first step waits instead).
+        Stop ids must be special tokens (EOS, end of turn): they are the grammar's end,
+        and a text token that ended the output would cut it short of the grammar, one
+        masked as text would change it."""
+        text = sorted(set(stop_token_ids) - self._special_ids())
+        if text:
+            raise ValueError(f"stop_token_ids {text[:5]}: text tokens cannot end a "
+                             "constrained output (the grammar decides where it ends); "
+                             "give special tokens only")
         fut = self.cache.compile(so)
         stops = sorted(set(stop_token_ids)) or self.eos_token_ids or None
         self._requests[request_id] = _Request(fut, stops, park)
+
+    def _special_ids(self) -> set[int]:
+        """The tokenizer's special tokens and the model's EOS ids."""
+        tok = self.tokenizer
+        special = set(getattr(tok, "all_special_ids", None) or ())
+        decoder = getattr(tok, "added_tokens_decoder", None) or {}
+        special |= {i for i, t in decoder.items() if getattr(t, "special", False)}
+        return special | set(self.eos_token_ids)
 
     def has_parked(self) -> bool:
         """Whether a request waits for its grammar."""

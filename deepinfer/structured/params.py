@@ -158,4 +158,14 @@ def schema_of(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("structured_outputs.json: must be a JSON schema object (a dict or "
                          f"a JSON string of one), got {type(value).__name__}")
-    return value
+    try:  # numpy scalars as the numbers they hold; anything else JSON cannot hold: named
+        return json.loads(json.dumps(value, default=_json_scalar))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json: not a JSON value ({e})") from e
+
+
+def _json_scalar(o: Any) -> Any:
+    item = getattr(o, "item", None)  # numpy scalars
+    if callable(item) and getattr(o, "shape", None) == ():
+        return item()
+    raise TypeError(f"{type(o).__name__} {o!r} is not JSON")

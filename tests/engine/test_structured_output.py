@@ -213,6 +213,26 @@ def test_bad_request_fails_alone_in_generate(llm):
     assert not llm.engine.has_unfinished() and not llm.engine.structured.live
 
 
+def test_stop_token_ids_of_a_constrained_request_must_be_special_tokens(llm):
+    """A text token as a stop id would end the output short of its grammar (or, masked
+    as text, change it): refused, naming it; special tokens end the grammar as EOS does."""
+    obj = SO(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                   "required": ["n"]})
+    brace = llm.tokenizer.convert_tokens_to_ids("}")
+    with pytest.raises(ValueError, match=rf"prompt 0: .*stop_token_ids \[{brace}\]: text "
+                                         "tokens cannot end a constrained output"):
+        llm.generate(["a"], SamplingParams(max_tokens=8, stop_token_ids=[brace],
+                                           structured_outputs=obj), use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.engine.structured.live
+    special = llm.tokenizer.all_special_ids[0]
+    (out,) = llm.generate(["Give a number as JSON:"],
+                          SamplingParams(temperature=0.0, max_tokens=20,
+                                         stop_token_ids=[special], structured_outputs=obj),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.text)["n"], int)
+
+
 def test_constrained_request_that_can_never_run_fails_alone(llm):
     """Checked at submission like any request, not later inside the step loop (where
     it would end the whole run): the batch is refused with its index named and nothing

@@ -185,6 +185,56 @@ def test_refused_schema_keywords_are_the_ones_xgrammar_ignores(info):
         build_grammar(SO(json=two))
 
 
+# Keyword uses xgrammar compiles but does not enforce: a schema and a string breaking it.
+UNENFORCED_BY_XGRAMMAR = {
+    "'required' naming 'age', which 'properties' lacks,": (
+        {"type": "object", "properties": {"name": {"type": "string"}},
+         "required": ["name", "age"]}, '{"name": "x"}'),
+    "'maxLength' with 'pattern'": (
+        {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}, '"abcdefgh"'),
+    "'multipleOf' on a non-integer type": (
+        {"type": "number", "multipleOf": 0.25}, "4.55"),
+    "a 'pattern' matching '\"' or '\\'": (
+        {"type": "string", "pattern": "^say \"[a-z]+\"$"}, '"say "hi""'),
+}
+
+
+def test_refused_keyword_uses_are_the_ones_xgrammar_does_not_enforce(info):
+    """Each refused use: xgrammar's own grammar accepts a string that breaks the schema
+    (a JSON quote left unescaped, a bound or a required key ignored), and build_grammar
+    names it; integers' multipleOf and bare length bounds stay accepted."""
+    import jsonschema
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    for words, (schema, breaking) in UNENFORCED_BY_XGRAMMAR.items():
+        raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        m = xgr.GrammarMatcher(compiler.compile_grammar(raw))
+        assert m.accept_string(breaking) and m.is_completed(), words
+        try:  # what it accepts is not JSON, or JSON the schema refuses
+            jsonschema.validate(json.loads(breaking), schema)
+            raise AssertionError(f"{breaking} is valid: not a breaking string ({words})")
+        except (ValueError, jsonschema.ValidationError):
+            pass
+        with pytest.raises(ValueError, match=re.escape(f"structured_outputs.json: {words} "
+                                                       "at /")):
+            build_grammar(SO(json=schema))
+    build_grammar(SO(json={"type": "integer", "multipleOf": 3}))
+    build_grammar(SO(json={"type": "string", "maxLength": 3, "minLength": 1}))
+    build_grammar(SO(json={"type": "string", "pattern": "^\\d+-[a-z]+$"}))
+
+
+def test_schema_values_json_cannot_hold_are_named():
+    """numpy scalars are the numbers they hold; a set is not JSON: a ValueError naming
+    the field, not a TypeError."""
+    import numpy as np
+
+    key = SO(json={"type": "integer", "maximum": np.int64(5)}).cache_key()
+    assert key[1] == '{"type": "integer", "maximum": 5}'
+    with pytest.raises(ValueError, match="structured_outputs.json: not a JSON value"):
+        SO(json={"enum": {1, 2}})
+
+
 def test_unsupported_keywords_are_found_nested_and_names_are_not_keywords():
     nested = {"type": "object", "properties": {"not": {
         "type": "array", "items": {"type": "object", "properties": {
