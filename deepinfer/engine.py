@@ -116,9 +116,9 @@ class LLMEngine:
     def async_scheduling(self, on: bool) -> None:
         self.runner.overlap = bool(on)
 
-    def close(self) -> None:
-        """End the run: a TP leader stops its followers. Idempotent."""
-        self.runner.close()
+    def close(self) -> bool:
+        """End the run: a TP leader stops its followers (returns whether it told them)."""
+        return self.runner.close()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:

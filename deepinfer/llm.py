@@ -64,8 +64,8 @@ class LLM:
         stopped = False
         try:
             if self.engine is not None:
-                self.engine.close()
-                stopped = True
+                # Not told after a step that failed part-way: no waiting for them then.
+                stopped = self.engine.close()
         except RuntimeError:
             if followers.failure() is None:  # a dead follower cannot hear "stop": fine
                 raise
@@ -156,9 +156,10 @@ class LLM:
             if failure is not None and isinstance(e, RuntimeError):
                 raise RuntimeError(f"{failure}; this LLM cannot go on: close it and "
                                    "create a new one") from e
-            if self._followers is None:
+            if not engine.runner.broken:
                 # Ctrl-C or a failed step: nothing of this call is left to run first in
-                # the next one. (TP followers replay the steps: there the LLM is closed.)
+                # the next one. (A TP leader whose step failed part-way refuses further
+                # steps: there the LLM must be closed.)
                 engine.abort_all()
             raise
         finally:

@@ -413,11 +413,19 @@ class ModelRunner:
         if b.logits_indices.numel():
             self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
 
-    def close(self) -> None:
-        """A TP leader tells its followers that the run is over (nothing otherwise)."""
+    @property
+    def broken(self) -> bool:
+        """Whether a TP leader's step failed part-way (its ranks are out of step)."""
+        return self._broken
+
+    def close(self) -> bool:
+        """A TP leader tells its followers that the run is over; returns whether it did
+        (not after a step that failed part-way: they are inside that step)."""
         channel, self.channel = self.channel, None
         if channel is not None and self.tp.leader and not self._broken:
             channel.send_stop()
+            return True
+        return False
 
     def _run_model(self, is_prompt: bool, b, ids: torch.Tensor | None) -> torch.Tensor:
         """The forward over launch batch ``b``; ``ids``: resolved input ids on the

@@ -61,7 +61,7 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     cdev = comm_device(engine_args.device)
     tp = engine_args.tensor_parallel_size
     layout = RankLayout(info.rank, check_layout(args.dp, tp, torchrun_world_size()), tp)
-    groups = make_groups(layout)
+    groups = make_groups(layout, args.dp_timeout)
     # Rank 0 alone touches the output before the run (folds leftover parts, cuts a torn
     # line), then tells the others what is done so that all split the same pending list.
     payload: list[Any] = [None]

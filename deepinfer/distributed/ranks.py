@@ -9,6 +9,7 @@ this machine (``spawn_ranks``); under ``torchrun`` every process is already a ra
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import gc
 import os
@@ -358,6 +359,17 @@ def _run_spawned(fn: Callable[..., Any], nprocs: int, fn_args: tuple, results) -
             reap(max(deadline - time.monotonic(), 0.0))
     finally:
         _stop(procs)
+    try:
+        return _outcome(pctx, procs, failed, got, results)
+    finally:  # torch's spawn wrapper leaves a traceback file per rank that raised
+        for path in getattr(pctx, "error_files", ()):
+            if path and os.path.exists(path):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
+
+def _outcome(pctx, procs, failed: list[int], got: list[Any], results) -> Any:
+    """Rank 0's result, or ``RankFailedError`` naming the rank that failed first."""
     if not failed:
         if not got and not results.empty():
             got.append(results.get())

@@ -77,14 +77,17 @@ class RunGroups:
     leaders: Any
 
 
-def make_groups(layout: RankLayout) -> RunGroups:
+def make_groups(layout: RankLayout, timeout_s: float) -> RunGroups:
     """Create every group of the run (collective: every rank creates all of them, in
-    the same order) and return this rank's."""
+    the same order) and return this rank's. ``timeout_s`` bounds each collective of the
+    device and DP-leader groups (a new group does not inherit the default group's: it
+    would wait torch's 30 minutes)."""
+    timeout = dt.timedelta(seconds=timeout_s)
     mine: TensorParallel | None = None
     if layout.tp > 1:
         for g in range(layout.dp):
             ranks = list(range(g * layout.tp, (g + 1) * layout.tp))
-            device_group = dist.new_group(ranks)
+            device_group = dist.new_group(ranks, timeout=timeout)
             # Step messages live in host memory: gloo, so that no rank syncs its GPU. Its
             # own group without a timeout: followers wait in it for as long as the leader
             # does host work or, under LLM, as long as the caller waits between calls (a
@@ -96,7 +99,7 @@ def make_groups(layout: RankLayout) -> RunGroups:
     leaders = None
     if layout.dp > 1:
         leaders = (dist.group.WORLD if layout.tp == 1
-                   else dist.new_group(layout.leader_ranks))
+                   else dist.new_group(layout.leader_ranks, timeout=timeout))
     return RunGroups(mine, leaders)
 
 
@@ -159,7 +162,7 @@ def _llm_follower(rank: int, world: int, port: int, args: EngineArgs,
     device = select_device(args.device, rank)
     init_distributed(info, device, timeout_s)
     try:
-        groups = make_groups(RankLayout(rank, 1, world))
+        groups = make_groups(RankLayout(rank, 1, world), timeout_s)
         run_follower(dataclasses.replace(args, device=device), groups.tp)
     finally:
         destroy_group()
@@ -189,7 +192,7 @@ def start_llm_followers(args: EngineArgs, timeout_s: float = 120.0
     device = select_device(args.device, 0)
     try:
         init_distributed(RankInfo(0, world, 0, world), device, timeout_s)
-        groups = make_groups(RankLayout(0, 1, world))
+        groups = make_groups(RankLayout(0, 1, world), timeout_s)
     except Exception as e:
         if dist.is_initialized():
             destroy_group()  # or every later LLM(...) finds this process in a group

@@ -66,6 +66,26 @@ def test_spawn_ranks_returns_a_result_larger_than_the_pipe():
     assert spawn_ranks(_big_result, 2, (1 << 20,)) == bytes([0]) * (1 << 20)
 
 
+def _raise_on_rank_1(info: RankInfo) -> None:
+    if info.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def test_a_rank_that_raises_is_named_and_leaves_no_file_behind(tmp_path, monkeypatch):
+    """torch's spawn wrapper saves a raising rank's traceback in a temp file: read into
+    the error (which names the rank and its exception), then removed."""
+    from deepinfer.distributed.ranks import RankFailedError
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the spawn wrapper's files go
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    with pytest.raises(RankFailedError, match="rank 1 exited with code 1: ValueError: "
+                                              "rank 1 fails on purpose"):
+        spawn_ranks(_raise_on_rank_1, 2)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _make_step(seed: int, t: int, b: int, w: int, n_clone: int, is_prompt: bool):
     """A scheduler-output-like step with random launch tensors (the scheduler's dtypes)."""
     from types import SimpleNamespace

@@ -57,3 +57,25 @@ def test_max_tokens_is_cut_at_the_model_length(tiny_checkpoints):
     with pytest.raises(ValueError, match=r"min_tokens \(10\) exceeds max_model_len=64"):
         llm.generate([prompt], SamplingParams(max_tokens=20, min_tokens=10), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_failed_generate_under_tensor_parallelism_leaves_the_llm_usable(tiny_checkpoints):
+    """The same with two TP ranks (gloo): the leader aborts the failed call's requests
+    (its followers keep no scheduler state) and the next call matches a fresh run."""
+    with _llm(tiny_checkpoints, tensor_parallel_size=2) as llm:
+        want = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        runner = llm.engine.runner
+        launch, calls = runner.launch, []
+
+        def failing_launch(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:  # before the step reaches the followers
+                raise KeyboardInterrupt
+            return launch(*a, **k)
+
+        runner.launch = failing_launch
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        del runner.launch
+        assert not llm.engine.requests and not llm.engine.has_unfinished()
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
