@@ -370,8 +370,7 @@ class LLMEngine:
         """Wait for a launched step's sampled ids and apply them; returns the requests
         that finished."""
         token_ids, logprobs = sampled.result()
-        if self._open_steps and self._open_steps[0] is out:
-            self._open_steps.popleft()
+        self._open_steps.popleft()  # ``out``: steps complete in launch order
         finished_seqs = self.scheduler.update(out, token_ids)
         dropped = self.scheduler.dropped
         now = time.perf_counter()

@@ -13,8 +13,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from deepinfer.structured.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
@@ -27,24 +25,22 @@ _MAX_TOKEN_ID = (1 << 63) - 1
 
 def _is_int(v: Any) -> bool:
     # bool is an int subclass, but `"n": true` in a JSON line is a mistake, not n=1.
-    # numbers.Integral: numpy integers too.
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, numbers.Real) and not isinstance(v, np.bool_)
-            ) and math.isfinite(v)
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def _plain(v: Any) -> Any:
-    """A numpy scalar (or another ``numbers`` type) as the Python number it holds;
-    anything else as is."""
-    if isinstance(v, np.generic) and not isinstance(v, np.bool_):
-        return v.item()
-    if isinstance(v, numbers.Integral) and not isinstance(v, int):
+    """A number of another type (numpy's ``int64``, ``float32``, ...; numpy's bool is
+    not a number) as the Python ``int`` / ``float`` it holds; anything else as is."""
+    if isinstance(v, bool) or type(v) in (int, float):
+        return v
+    if isinstance(v, numbers.Integral):
         return int(v)
-    if isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
-        return float(v)
+    if isinstance(v, numbers.Real):
+        return float(v)  # np.float64 too: a float subclass that prints as np.float64
     return v
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 # A JSON escape of a UTF-16 surrogate: only then can a parsed line hold a lone one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 def check_input_file(path: str) -> None:
@@ -53,7 +53,7 @@ def load_json_line(text: str, lineno: int) -> tuple[Any, str | None]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"line {lineno}: malformed JSON ({e.msg})"
-    if _SURROGATE_ESCAPE.search(text.encode("utf-8")):
+    if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

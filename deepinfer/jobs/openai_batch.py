@@ -223,8 +223,8 @@ class OpenAIFormat:
         rec = self._records[res.request_id]
         chat = rec.api == "chat"
         choices = []
+        top = (rec.overrides or {}).get("logprobs")
         for o in res.outputs:
-            top = (rec.overrides or {}).get("logprobs")
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
                                       "stop_reason": o.stop_reason,
                                       "logprobs": _logprobs(o, chat, top or 0)}

@@ -40,6 +40,7 @@ and the host's work still runs while the device computes the forward.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -162,7 +163,7 @@ class StructuredOutputs:
         Stop ids must be special tokens (EOS, end of turn): they are the grammar's end,
         and a text token that ended the output would cut it short of the grammar, one
         masked as text would change it."""
-        text = sorted(set(stop_token_ids) - self._special_ids())
+        text = sorted(set(stop_token_ids) - self._special_ids)
         if text:
             raise ValueError(f"stop_token_ids {text[:5]}: text tokens cannot end a "
                              "constrained output (the grammar decides where it ends); "
@@ -171,8 +172,9 @@ class StructuredOutputs:
         stops = sorted(set(stop_token_ids)) or self.eos_token_ids or None
         self._requests[request_id] = _Request(fut, stops, park)
 
+    @functools.cached_property
     def _special_ids(self) -> set[int]:
-        """The tokenizer's special tokens and the model's EOS ids."""
+        """The tokenizer's special tokens and the model's EOS ids (built once)."""
         tok = self.tokenizer
         special = set(getattr(tok, "all_special_ids", None) or ())
         decoder = getattr(tok, "added_tokens_decoder", None) or {}
