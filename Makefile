@@ -21,8 +21,12 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 # Lint first: a new upward import (import-linter contracts in pyproject.toml) fails CI.
+# The venv's pytest, in importlib mode, keeps the checkout's root off sys.path: its
+# kernels/ folder would hide HuggingFace's "kernels" (deepinfer's installs as
+# deepinfer_kernels).
+PYTEST := $(VENV)/bin/pytest --import-mode=importlib
 test: lint
-	$(PY) -m pytest -q tests benchmarks
+	$(PYTEST) -q tests benchmarks
 
 lint: $(STAMP)
 	$(PY) -m ruff check kernels scheduler deepinfer tests benchmarks
@@ -36,7 +40,7 @@ generate: $(STAMP)
 # Every kernel configuration AOT-compiled for sm_80 and sm_90 (no GPU needed): compile
 # errors, shared memory, register spills. `make test` compiles a subset.
 compile-check: $(STAMP)
-	DEEPINFER_COMPILE_FULL=1 $(PY) -m pytest -q tests/kernels/test_compile.py
+	DEEPINFER_COMPILE_FULL=1 $(PYTEST) -q tests/kernels/test_compile.py
 
 # Mutation testing (mutmut, the `mutate` extra) over scheduler/ and deepinfer/sampler.py
 # with their unit tests: score per target and every surviving mutant's diff
@@ -47,7 +51,7 @@ mutate: $(STAMP)
 	MUTATE_JOBS="$(MUTATE_JOBS)" scripts/mutate.sh
 
 bench: $(STAMP)
-	$(PY) -m pytest -q benchmarks --benchmark-enable
+	$(PYTEST) -q benchmarks --benchmark-enable
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .benchmarks

@@ -42,13 +42,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from results_meta import git_commit, utc_now  # noqa: E402
 
-from kernels import cpu_backend, cpu_native, reference  # noqa: E402
+from deepinfer_kernels import cpu_backend, cpu_native, reference  # noqa: E402
 
 BLOCK_SIZE = 16
 

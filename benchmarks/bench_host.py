@@ -48,10 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from host_dense import dense_runner, time_dense  # noqa: E402
 from host_fixtures import (  # noqa: E402
     PROMPT_LEN,

@@ -31,8 +31,8 @@ import pytest
 import torch
 from results_meta import git_commit, table_lines, utc_now
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 
 IS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
@@ -234,7 +234,7 @@ def test_bench_decode(benchmark, batch, ctx):
     gbytes = (kv_bytes + 2 * q.numel() * q.element_size()) / 1e9
 
     def run():
-        return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, out=out,
+        return deepinfer_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, out=out,
                                               max_seq_len=ctx)
 
     _record("decode", case, "triton", _time_ms(run), gbytes=gbytes)
@@ -267,7 +267,7 @@ def test_bench_decode_split(benchmark, splits):
     num_splits = None if splits == "auto" else splits
 
     def run():
-        return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens,
+        return deepinfer_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens,
                                               num_splits=num_splits, max_seq_len=ctx)
 
     _record("decode-split", f"B=1 ctx={ctx}", f"triton splits={splits}", _time_ms(run),
@@ -295,7 +295,7 @@ def test_bench_prefill(benchmark, num_seqs, seq_len, cached):
     case = f"{num_seqs}x{seq_len} cached={int(cached * 100)}%"
 
     def run():
-        return kernels.paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens,
+        return deepinfer_kernels.paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens,
                                                out=out, max_query_len=q_len)
 
     _record("prefill", case, "triton", _time_ms(run), tflop=tflop)
@@ -329,7 +329,7 @@ def test_bench_clone_blocks(benchmark):
     block_bytes = BS * HKV * D * cache.element_size()
     gbytes = 2 * npairs * layers * 2 * block_bytes / 1e9  # read + write
     case = f"{npairs} pairs x {layers} layers"
-    run = lambda: kernels.clone_blocks(cache, pairs)  # noqa: E731
+    run = lambda: deepinfer_kernels.clone_blocks(cache, pairs)  # noqa: E731
     _record("clone_blocks", case, "triton", _time_ms(run), gbytes=gbytes)
     _record("clone_blocks", case, "torch-index", _time_ms(
         lambda: reference.clone_blocks(cache, pairs)), gbytes=gbytes)

@@ -1,6 +1,6 @@
 """Decoder-layer elementwise ops: the fused Triton kernels (``add_rms_norm``, ``rotary_qk``
 with the q/k norm, ``silu_and_mul``) against the torch ops they replace
-(``kernels.reference``, op for op what the model ran before), same data, same run.
+(``deepinfer_kernels.reference``, op for op what the model ran before), same data, same run.
 
 Per op and for a layer's whole chain (input norm with the residual add, q/k norm + RoPE,
 post-attention norm with the residual add, SiLU-and-mul: what one decoder layer runs
@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-
 from bench_moe import IS_CUDA, cli, copy_bandwidth, out_dir, time_ms, write  # noqa: E402
 from results_meta import git_commit, header_lines, table_lines, utc_now  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+import deepinfer_kernels  # noqa: E402
+from deepinfer_kernels import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
 DTYPE = torch.bfloat16 if IS_CUDA else torch.float32
@@ -68,7 +64,8 @@ def layer_tensors(tokens: int, g: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def op_calls(ops, t: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
-    """The ops of ``ops`` (``kernels`` or ``kernels.reference``) on ``t``, and the chain."""
+    """The ops of ``ops`` (``deepinfer_kernels`` or its ``reference``) on ``t``, and the
+    chain."""
     _, hq, hkv, d, _ = SHAPE
     tokens = t["x"].shape[0]
     q = t["qkv"][:, :hq * d].view(tokens, hq, d)
@@ -108,7 +105,7 @@ def run(tokens: tuple[int, ...] = TOKENS) -> tuple[dict, list[dict]]:
     rows = []
     for m in tokens:
         t = layer_tensors(m, torch.Generator().manual_seed(m))
-        fused, torch_ops = op_calls(kernels, t), op_calls(reference, t)
+        fused, torch_ops = op_calls(deepinfer_kernels, t), op_calls(reference, t)
         if not IS_CUDA:  # the interpreted chain once, as a smoke check
             got, want = fused["layer chain"](), torch_ops["layer chain"]()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -135,7 +132,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     cols = ["op", "tokens", "torch_ms", "fused_ms", "speedup", "fused_GBps", "bw_frac"]
     lines = header_lines("Decoder-layer elementwise ops", meta,
                          f"dtype {meta['dtype']}, shape {meta['shape']}")
-    lines += ["torch = the unfused torch ops (kernels.reference); fused = the Triton kernels; "
+    lines += ["torch = the unfused torch ops (deepinfer_kernels.reference); "
+              "fused = the Triton kernels; "
              "speedup = torch ms / fused ms; bw_frac = the fused op's minimum bytes / time / "
              f"copy bandwidth ({meta['copy_GB/s']} GB/s)."
              + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), ""]

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layer benchmark: ``kernels.fused_moe`` against a per-expert loop of
+"""Mixture-of-experts layer benchmark: ``deepinfer_kernels.fused_moe`` against a per-expert loop of
 torch matmuls on the same routing.
 
 CUDA (bf16): ``triton.testing.do_bench`` at Qwen3-30B-A3B's shapes (E=128, top-8,
@@ -8,7 +8,7 @@ fused kernel the weight-read bandwidth (every touched expert's ``3 * H * I`` wei
 once) as a fraction of the measured device copy bandwidth (``dst.copy_(src)``, 1 GiB).
 
 CPU: the interpreter is far too slow to time, so a scaled-down run times the torch
-reference path (``kernels.reference.fused_moe``: grouped by expert, one matmul pair per
+reference path (``deepinfer_kernels.reference.fused_moe``: grouped by expert, one matmul pair per
 expert that got a token) against the same per-expert loop, and runs the interpreted Triton
 layer once, untimed, as a correctness smoke check.
 
@@ -34,13 +34,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-
 from results_meta import git_commit, table_lines, utc_now  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+import deepinfer_kernels  # noqa: E402
+from deepinfer_kernels import reference  # noqa: E402
 
 IS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
@@ -106,7 +103,7 @@ def layer_inputs(model: str, num_tokens: int, g: torch.Generator
     w2 = (torch.randn((experts, hidden, inter), generator=g, device=DEVICE)
           * inter**-0.5).to(DTYPE)
     logits = torch.randn((num_tokens, experts), generator=g, device=DEVICE)
-    route = kernels.moe_route if IS_CUDA else reference.moe_route
+    route = deepinfer_kernels.moe_route if IS_CUDA else reference.moe_route
     weights, ids = route(logits, top_k, True)
     return x, w13, w2, weights, ids
 
@@ -138,14 +135,14 @@ def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> l
     decode = num_tokens <= DECODE_MAX
     if IS_CUDA:
         out = torch.empty_like(x)
-        fused = lambda: kernels.fused_moe(x, w13, w2, weights, ids, out=out)  # noqa: E731
+        fused = lambda: deepinfer_kernels.fused_moe(x, w13, w2, weights, ids, out=out)  # noqa: E731
         err = ((fused().float() - loop().float()).norm() / loop().float().norm()).item()
         row("triton-fused", time_ms(fused), decode)["rel_err_vs_loop"] = round(err, 5)
     else:
         ref = lambda: reference.fused_moe(x, w13, w2, weights, ids)  # noqa: E731
         row("torch-reference", time_ms(ref), decode)
         if num_tokens == TOKENS[0]:  # the interpreter, once, untimed: a smoke check
-            got = kernels.fused_moe(x, w13, w2, weights, ids)
+            got = deepinfer_kernels.fused_moe(x, w13, w2, weights, ids)
             torch.testing.assert_close(got, ref(), atol=1e-4, rtol=1e-4)
     row("torch-per-expert-loop", time_ms(loop), decode)
     base = rows[0]["ms"]

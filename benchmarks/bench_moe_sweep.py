@@ -40,9 +40,9 @@ from bench_moe import (
 )
 from results_meta import git_commit, utc_now
 
-import kernels  # before triton: on CPU it switches the interpreter on
-from kernels.moe_gemm import moe_block_m, moe_gemm_config, moe_gemm_launches
-from kernels.runtime import Target
+import deepinfer_kernels  # before triton: on CPU it switches the interpreter on
+from deepinfer_kernels.moe_gemm import moe_block_m, moe_gemm_config, moe_gemm_launches
+from deepinfer_kernels.runtime import Target
 
 CASES = ((("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("qwen3-30b-a3b", 256),
           ("mixtral-8x7b", 256)) if IS_CUDA else (("qwen3-like/32", 16),))
@@ -85,7 +85,7 @@ def sweep_case(model: str, num_tokens: int, copy_gbs: float, deadline: float,
     rows: list[dict] = []
     first: dict[str, torch.Tensor] = {}  # each GEMM's output under its first configuration
     for bm in block_ms(rule_bm, target.interpret):
-        sorted_ids, block_expert, num_padded = kernels.moe_align(ids, experts, bm)
+        sorted_ids, block_expert, num_padded = deepinfer_kernels.moe_align(ids, experts, bm)
         gemms = {
             # name: (a, w, out, routing weights, gated, mul_weight, n, k)
             "gate_up": (x, w13, torch.empty((num_tokens * top_k, inter), dtype=DTYPE,

@@ -1,6 +1,6 @@
-"""Temperature sampling: the fused Triton draw (``kernels.sample_tokens``) against the torch
-ops it replaces (``kernels.reference.sample_tokens``: divide, softmax, cumsum, search,
-fallback check; what the sampler ran before), same logits, same uniforms, same run.
+"""Temperature sampling: the fused Triton draw (``deepinfer_kernels.sample_tokens``) against
+the torch ops it replaces (``deepinfer_kernels.reference.sample_tokens``: divide, softmax,
+cumsum, search, fallback check; what the sampler ran before), same logits, same uniforms, same run.
 
 At 64 and 256 rows of a 152k vocabulary (Qwen) and a 49k one (SmolLM2), fp32 logits (as
 ``compute_logits`` returns them). Reported: ms, the fused kernel's bytes (the logits read
@@ -21,17 +21,13 @@ benchmarks/results with ``--save`` / ``DEEPINFER_BENCH_SAVE=1``.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-
 from bench_moe import IS_CUDA, cli, copy_bandwidth, out_dir, time_ms, write  # noqa: E402
 from results_meta import git_commit, header_lines, table_lines, utc_now  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+import deepinfer_kernels  # noqa: E402
+from deepinfer_kernels import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
 # (rows, vocab): decode batches of Qwen3 / SmolLM2 vocabularies; scaled down on CPU.
@@ -46,14 +42,14 @@ def case(rows: int, vocab: int, copy_gbs: float) -> dict:
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(DEVICE)
     temps = (0.5 + torch.rand(rows, generator=g)).to(DEVICE)
     uniforms = torch.rand(rows, generator=g).to(DEVICE)
-    fused = kernels.sample_tokens(logits, temps, uniforms)
+    fused = deepinfer_kernels.sample_tokens(logits, temps, uniforms)
     want = reference.sample_tokens(logits, temps, uniforms)
     row = {"rows": rows, "vocab": vocab,
            "torch_ms": round(time_ms(lambda: reference.sample_tokens(logits, temps,
                                                                       uniforms)), 4),
            "rows_differing": int((fused != want).sum())}
     if IS_CUDA:
-        ms = time_ms(lambda: kernels.sample_tokens(logits, temps, uniforms))
+        ms = time_ms(lambda: deepinfer_kernels.sample_tokens(logits, temps, uniforms))
         gbs = 2 * logits.numel() * logits.element_size() / 1e9 / (ms * 1e-3)
         row.update(fused_ms=round(ms, 4), fused_GBps=round(gbs, 1),
                    bw_frac=round(gbs / copy_gbs, 3), speedup=round(row["torch_ms"] / ms, 2))
@@ -76,7 +72,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     cols = ["rows", "vocab", "torch_ms", "fused_ms", "speedup", "fused_GBps", "bw_frac",
             "rows_differing"]
     lines = header_lines("Temperature sampling", meta, "fp32 logits")
-    lines += ["torch = kernels.reference.sample_tokens (the sampler's former torch ops); "
+    lines += ["torch = deepinfer_kernels.reference.sample_tokens (the sampler's former torch ops); "
              "fused = the Triton draw; speedup = torch ms / fused ms; bw_frac = two reads "
              f"of the logits / time / copy bandwidth ({meta['copy_GB/s']} GB/s)."
              + ("" if meta["timed_fused"] else " CPU: fused not timed (interpreter)."), ""]

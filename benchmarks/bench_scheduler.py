@@ -17,19 +17,14 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from results_meta import git_commit, utc_now  # noqa: E402
 
-from scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from deepinfer_scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 MAX_MODEL_LEN = 4096
 

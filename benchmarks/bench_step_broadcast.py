@@ -62,10 +62,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from results_meta import git_commit, utc_now  # noqa: E402
 from shm_step_channel import (  # noqa: E402
     MAX_FOLLOWERS,

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 _OURS_STARTUP = textwrap.dedent("""
     import json, time
@@ -36,11 +35,9 @@ _HF_STARTUP = textwrap.dedent("""
 
 
 def _subprocess_json(code: str, *argv: str) -> dict:
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                       env=env, timeout=600)
+                       timeout=600)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1]}

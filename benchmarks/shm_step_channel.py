@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from deepinfer.step_channel import payload_size, unpack_step
-from scheduler.batch import LaunchBatch
+from deepinfer_scheduler.batch import LaunchBatch
 
 HEADER_WORDS = 10  # StepChannel's header: kind, is_prompt, T, B, W, S, N, max_q, max_seq, dev
 _LINE = 8          # int64 words per cache line: one line per counter

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from scheduler.batch import LaunchBatch
+from deepinfer_scheduler.batch import LaunchBatch
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
 from deepinfer.worker import TensorParallel, build_worker
-from scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
-from scheduler.registry import validate_request
+from deepinfer_scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
+from deepinfer_scheduler.registry import validate_request
 
 
 @dataclass

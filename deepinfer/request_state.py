@@ -12,7 +12,7 @@ from typing import Any
 
 from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
 from deepinfer.sampling_params import SamplingParams
-from scheduler import Sequence
+from deepinfer_scheduler import Sequence
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sampling_table import NO_SEED, SamplingRows, seeded_uniforms
-from kernels import reference
+from deepinfer_kernels import reference
 
 # Indices into the float rows of SamplingTensors.floats.
 _TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _UNIFORM = range(7)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scheduler.batch import LaunchBatch
+from deepinfer_scheduler.batch import LaunchBatch
 
 _HEADER = 10
 #: Ints of one broadcast (header included): 64 KiB.

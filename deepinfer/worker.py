@@ -34,25 +34,25 @@ def resolve_device(device: str) -> torch.device:
 def resolve_backend(name: str, device: torch.device) -> ModuleType:
     """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets.
 
-    ``torch`` runs ``kernels.cpu_backend`` on the CPU (the reference's signatures, made fast
-    there: decode attention in C) and the plain reference on a GPU."""
+    ``torch`` runs ``deepinfer_kernels.cpu_backend`` on the CPU (the reference's
+    signatures, made fast there: decode attention in C) and the plain reference on a GPU."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         if device.type == "cpu":
-            from kernels import cpu_backend, cpu_native
+            from deepinfer_kernels import cpu_backend, cpu_native
 
             # Built (or found in the cache) now: a first build takes ~1-2 s, better at
             # start-up than as a stall inside the first decode step.
             cpu_native.native_library()
             return cpu_backend
-        from kernels import reference
+        from deepinfer_kernels import reference
 
         return reference
     if name == "triton":
-        import kernels
+        import deepinfer_kernels
 
-        return kernels
+        return deepinfer_kernels
     raise ValueError(f"attention_backend={name!r}: expected 'auto', 'triton' or 'torch'")
 
 
@@ -123,7 +123,7 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     dtype = next(model.parameters()).dtype
     # Only the Triton ops are graph-safe: the torch reference's ops sync the host
     # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
-    graphs = capture_graphs and not args.enforce_eager and backend.__name__ == "kernels"
+    graphs = capture_graphs and not args.enforce_eager and backend.__name__ == "deepinfer_kernels"
     runner = ModelRunner(
         model, cfg, device=device, dtype=dtype, backend=backend, spec=spec,
         capture_graphs=graphs, tp=group,

@@ -1,19 +1,40 @@
 """Triton kernels of deepinfer (paged attention, KV store, cache/state copies,
 mixture-of-experts routing, alignment and grouped GEMM).
 
-``kernels.reference`` holds plain-torch versions with the same signatures. Without CUDA
-the Triton kernels can only run through the interpreter, so ``TRITON_INTERPRET=1`` is set
-here (unless already set) before any kernel module is imported: Triton reads it when a
-kernel is decorated. Importing this package never fails for lack of Triton; calling an op
-then raises a RuntimeError saying so.
+The folder kernels/ installs under the import name ``deepinfer_kernels``.
+``deepinfer_kernels.reference`` holds plain-torch versions with the same signatures.
+Without CUDA the Triton kernels can only run through the interpreter, so
+``TRITON_INTERPRET=1`` is set here (unless already set) before any kernel module is
+imported: Triton reads it when a kernel is decorated. Importing this package never fails
+for lack of Triton; calling an op then raises a RuntimeError saying so.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
-import torch
+if __name__ == "kernels":
+    # The checkout's root is on sys.path (python -m ... run from it), so this folder was
+    # found under its folder name. That name belongs to HuggingFace's kernels package
+    # (transformers imports it): load the installed one in its place. deepinfer itself
+    # imports this folder only as deepinfer_kernels.
+    import importlib.machinery
+    import importlib.util
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError(
+            "No module named 'kernels' (the kernels/ folder of this checkout is deepinfer's "
+            "kernel package, imported as deepinfer_kernels)", name="kernels")
+    _installed = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _installed  # what the import statement hands back
+    _spec.loader.exec_module(_installed)
+
+import torch  # noqa: E402
 
 __all__ = [
     "store_kv",
@@ -33,28 +54,6 @@ __all__ = [
     "sample_tokens",
 ]
 
-
-
-def _refuse_name_clash() -> None:
-    """HuggingFace's ``kernels`` distribution (transformers 5.25 and later require it)
-    has this package's import name: whichever comes first on ``sys.path`` hides the other,
-    and transformers then fails deep inside with "cannot import name ... from 'kernels'".
-    Say so here instead, with the way out."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        other = distribution("kernels")
-    except PackageNotFoundError:
-        return
-    raise ImportError(
-        f"the 'kernels' distribution {other.version} (HuggingFace's; transformers >= 5.25 "
-        "requires it) is installed beside deepinfer, whose kernel package has the same "
-        "import name 'kernels', so one hides the other: pip uninstall kernels && "
-        "pip install 'transformers<5.25'")
-
-
-_refuse_name_clash()
-
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -66,24 +65,24 @@ else:
     _IMPORT_ERROR = None
 
 if _IMPORT_ERROR is None:
-    from kernels.activation import silu_and_mul
-    from kernels.cache_ops import clone_blocks, clone_states, zero_states
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.fused_moe import fused_moe, fused_moe_gemm
-    from kernels.moe_align import moe_align
-    from kernels.moe_routing import moe_route
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.rms_norm import add_rms_norm, rms_norm
-    from kernels.rotary import rotary_qk
-    from kernels.sampling import sample_tokens
-    from kernels.store_kv import store_kv
+    from deepinfer_kernels.activation import silu_and_mul
+    from deepinfer_kernels.cache_ops import clone_blocks, clone_states, zero_states
+    from deepinfer_kernels.decode_attention import paged_decode_attention
+    from deepinfer_kernels.fused_moe import fused_moe, fused_moe_gemm
+    from deepinfer_kernels.moe_align import moe_align
+    from deepinfer_kernels.moe_routing import moe_route
+    from deepinfer_kernels.prefill_attention import paged_prefill_attention
+    from deepinfer_kernels.rms_norm import add_rms_norm, rms_norm
+    from deepinfer_kernels.rotary import rotary_qk
+    from deepinfer_kernels.sampling import sample_tokens
+    from deepinfer_kernels.store_kv import store_kv
 else:  # pragma: no cover
 
     def _missing(name: str) -> Any:
         def op(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(
-                f"kernels.{name} needs Triton, which could not be imported "
-                f"({_IMPORT_ERROR}); install triton or use kernels.reference"
+                f"deepinfer_kernels.{name} needs Triton, which could not be imported "
+                f"({_IMPORT_ERROR}); install triton or use deepinfer_kernels.reference"
             )
 
         op.__name__ = name

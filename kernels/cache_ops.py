@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, int_view, run_launches
-from kernels.validation import INDEX_DTYPES, check_runnable_device, check_tensor, fail
+from deepinfer_kernels.runtime import Launch, Target, int_view, run_launches
+from deepinfer_kernels.validation import INDEX_DTYPES, check_runnable_device, check_tensor, fail
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.runtime import Launch, Target
+from deepinfer_kernels.runtime import Launch, Target
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -288,10 +288,10 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 def plan(case: Case) -> list[Launch]:
     """The launches the engine's call for ``case`` makes, via the ops' own planners."""
-    from kernels.cache_ops import clone_blocks_launches, state_launches
-    from kernels.decode_attention import decode_launches
-    from kernels.prefill_attention import prefill_kernel, prefill_launches
-    from kernels.store_kv import store_kv_launches
+    from deepinfer_kernels.cache_ops import clone_blocks_launches, state_launches
+    from deepinfer_kernels.decode_attention import decode_launches
+    from deepinfer_kernels.prefill_attention import prefill_kernel, prefill_launches
+    from deepinfer_kernels.store_kv import store_kv_launches
 
     if case.op.startswith("moe_"):
         return _plan_moe(case)
@@ -357,8 +357,8 @@ def plan(case: Case) -> list[Launch]:
 
 def _plan_moe(case: Case) -> list[Launch]:
     """A MoE layer call of ``case.variant`` (``<model>-m<tokens>``) via the ops' planners."""
-    from kernels.fused_moe import fused_moe_launches
-    from kernels.moe_routing import route_launches
+    from deepinfer_kernels.fused_moe import fused_moe_launches
+    from deepinfer_kernels.moe_routing import route_launches
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -381,9 +381,9 @@ def _plan_moe(case: Case) -> list[Launch]:
 
 def _plan_layer(case: Case) -> list[Launch]:
     """A decoder-layer elementwise op's call, as the model makes it, via its planner."""
-    from kernels.activation import silu_and_mul_launches
-    from kernels.rms_norm import rms_norm_launches
-    from kernels.rotary import rotary_qk_launches
+    from deepinfer_kernels.activation import silu_and_mul_launches
+    from deepinfer_kernels.rms_norm import rms_norm_launches
+    from deepinfer_kernels.rotary import rotary_qk_launches
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -418,7 +418,7 @@ def _plan_layer(case: Case) -> list[Launch]:
 def _plan_sampling(case: Case) -> list[Launch]:
     """The sampler's call for ``case.variant`` (``v<vocab>-n<rows>``) via its planner:
     contiguous ``[rows, vocab]`` logits, fp32 temperatures and uniforms."""
-    from kernels.sampling import sample_tokens_launches
+    from deepinfer_kernels.sampling import sample_tokens_launches
 
     vocab, rows = case.variant.removeprefix("v").split("-n")
     v, n = int(vocab), int(rows)

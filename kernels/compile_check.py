@@ -12,7 +12,8 @@ H100/H200), so a launcher change is covered; this module compiles each one with
 Spills are read as the ptxas stack frame (``STACK``) plus ``LOCAL``: these kernels have no
 local arrays and no calls, so any stack is spilled registers.
 
-Run ``python -m kernels.compile_check [--full] [--json PATH]`` for the table (it re-executes
+Run ``python -m deepinfer_kernels.compile_check [--full] [--json PATH]`` for the table (it
+re-executes
 itself with ``TRITON_INTERPRET=0`` when needed: compiling needs the real ``JITFunction``s,
 which ``kernels`` replaces with interpreter wrappers on a CPU machine).
 tests/kernels/test_compile.py drives it. Works with Triton 3.6 (the GPU image) and 3.9.
@@ -35,8 +36,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kernels.compile_cases import ARCHS, Arch, Case, KernelResult, full_cases, plan, quick_cases
-from kernels.runtime import Launch
+from deepinfer_kernels.compile_cases import (
+    ARCHS,
+    Arch,
+    Case,
+    KernelResult,
+    full_cases,
+    plan,
+    quick_cases,
+)
+from deepinfer_kernels.runtime import Launch
 
 # --- compiling ---------------------------------------------------------------------------
 
@@ -178,13 +187,12 @@ def results_from_subprocess(cases: Sequence[Case], jobs: int = 2, timeout: float
         out = Path(tmp) / "results.json"
         spec.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
         env = dict(os.environ, TRITON_INTERPRET="0")
-        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(
-            [python, "-m", "kernels.compile_check", "--cases", str(spec), "--json", str(out),
-             "--jobs", str(jobs), "--quiet"],
+            [python, "-m", "deepinfer_kernels.compile_check", "--cases", str(spec),
+             "--json", str(out), "--jobs", str(jobs), "--quiet"],
             env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
-            raise RuntimeError(f"kernels.compile_check failed (rc {proc.returncode}):\n"
+            raise RuntimeError(f"deepinfer_kernels.compile_check failed (rc {proc.returncode}):\n"
                                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return [KernelResult(**r) for r in json.loads(out.read_text())["results"]]
 
@@ -235,7 +243,7 @@ def markdown_table(cases: Sequence[Case], results: Sequence[KernelResult]) -> st
 def _jit_is_real() -> bool:
     from triton.runtime.jit import JITFunction
 
-    from kernels.prefill_attention import prefill_kernel
+    from deepinfer_kernels.prefill_attention import prefill_kernel
 
     return isinstance(prefill_kernel, JITFunction)
 
@@ -255,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # kernels was imported in interpreter mode (no GPU and TRITON_INTERPRET unset):
         # start over with the compiler's JIT.
         env = dict(os.environ, TRITON_INTERPRET="0")
-        cmd = [sys.executable, "-m", "kernels.compile_check", *(argv or sys.argv[1:])]
+        cmd = [sys.executable, "-m", "deepinfer_kernels.compile_check", *(argv or sys.argv[1:])]
         return subprocess.run(cmd, env=env).returncode
 
     if args.cases:

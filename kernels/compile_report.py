@@ -1,13 +1,13 @@
-"""The compile grid as one table per kernel tile: ``kernels.compile_check``'s JSON, from one
-or more Triton versions, folded into a row per (kernel, dtype class, configuration).
+"""The compile grid as one table per kernel tile: ``deepinfer_kernels.compile_check``'s JSON,
+from one or more Triton versions, folded into a row per (kernel, dtype class, configuration).
 
 ``compile_check --markdown`` lists every compiled kernel (over a thousand rows for the full
 grid); this is the table to read or commit: each row gives, for every Triton version and
 target, the register range over the shapes that configuration serves, the worst spill and
 the largest shared-memory footprint.
 
-    python -m kernels.compile_check --full --json full-3.9.json     # per Triton version
-    python -m kernels.compile_report full-3.9.json full-3.6.json --out compile-table.md
+    python -m deepinfer_kernels.compile_check --full --json full-3.9.json     # per Triton version
+    python -m deepinfer_kernels.compile_report full-3.9.json full-3.6.json --out compile-table.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels.compile_cases import ARCHS, Case, KernelResult
+from deepinfer_kernels.compile_cases import ARCHS, Case, KernelResult
 
 
 @dataclass
@@ -37,7 +37,7 @@ class CompileRun:
         data = json.loads(Path(path).read_text())
         if "triton" not in data:
             raise ValueError(f"{path}: no 'triton' field: write it with "
-                             "`python -m kernels.compile_check --json`")
+                             "`python -m deepinfer_kernels.compile_check --json`")
         return cls(data["triton"], [Case(**c) for c in data["cases"]],
                    [KernelResult(**r) for r in data["results"]], data.get("seconds", 0.0))
 
@@ -166,8 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 text=True).stdout.strip() or "unknown"
         head = [f"# Compile grid: every kernel configuration for sm_90 and sm_80, "
                 f"Triton {' and '.join(r.triton for r in runs)}", "",
-                f"Compiled ahead of time without a GPU (`python -m kernels.compile_check "
-                f"--full --json F`, then `python -m kernels.compile_report F...`), commit "
+                "Compiled ahead of time without a GPU (`python -m "
+                "deepinfer_kernels.compile_check --full --json F`, then `python -m "
+                f"deepinfer_kernels.compile_report F...`), commit "
                 f"`{commit}`, {datetime.date.today().isoformat()}.", ""]
         Path(args.out).write_text("\n".join(head) + "\n" + table + "\n")
     else:

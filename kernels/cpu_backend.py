@@ -43,8 +43,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, reference
-from kernels.reference import (
+from deepinfer_kernels import cpu_native, reference
+from deepinfer_kernels.reference import (
     add_rms_norm,
     clone_blocks,
     clone_states,

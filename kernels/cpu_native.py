@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.validation import check_out
+from deepinfer_kernels.validation import check_out
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 

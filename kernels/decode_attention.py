@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import (
+from deepinfer_kernels.runtime import (
     Launch,
     Target,
     dot_flags,
@@ -24,8 +24,13 @@ from kernels.runtime import (
     pad_dim,
     run_launches,
 )
-from kernels.tl_helpers import mma
-from kernels.validation import check_attention_common, check_optional_int, check_out, check_scale
+from deepinfer_kernels.tl_helpers import mma
+from deepinfer_kernels.validation import (
+    check_attention_common,
+    check_optional_int,
+    check_out,
+    check_scale,
+)
 
 LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # the merge kernel's [splits, D] register tile

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe_align import align_launches, moe_align_size
-from kernels.moe_gemm import moe_block_m, moe_gemm_launches
-from kernels.runtime import Launch, Target, run_launches
-from kernels.validation import check_fused_moe_args, check_moe_gemm_args
+from deepinfer_kernels.moe_align import align_launches, moe_align_size
+from deepinfer_kernels.moe_gemm import moe_block_m, moe_gemm_launches
+from deepinfer_kernels.runtime import Launch, Target, run_launches
+from deepinfer_kernels.validation import check_fused_moe_args, check_moe_gemm_args
 
 
 def fused_moe_gemm(

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, next_pow2, run_launches
-from kernels.validation import check_moe_align_args
+from deepinfer_kernels.runtime import Launch, Target, next_pow2, run_launches
+from deepinfer_kernels.validation import check_moe_align_args
 
 
 def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:

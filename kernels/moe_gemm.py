@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, dot_flags
-from kernels.tl_helpers import mma
+from deepinfer_kernels.runtime import Launch, Target, dot_flags
+from deepinfer_kernels.tl_helpers import mma
 
 
 @triton.jit

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, next_pow2, run_launches
-from kernels.validation import check_moe_route_args
+from deepinfer_kernels.runtime import Launch, Target, next_pow2, run_launches
+from deepinfer_kernels.validation import check_moe_route_args
 
 MAX_TRITON_EXPERTS = 1024
 MAX_TOP_K = 64

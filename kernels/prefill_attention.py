@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
-from kernels.tl_helpers import mma
-from kernels.validation import (
+from deepinfer_kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
+from deepinfer_kernels.tl_helpers import mma
+from deepinfer_kernels.validation import (
     check_attention_common,
     check_optional_int,
     check_out,

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, next_pow2, run_launches
-from kernels.validation import (
+from deepinfer_kernels.runtime import Launch, Target, next_pow2, run_launches
+from deepinfer_kernels.validation import (
     FLOAT_DTYPES,
     check_positive_float,
     check_runnable_device,

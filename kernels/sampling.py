@@ -13,8 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import Launch, Target, run_launches
-from kernels.validation import FLOAT_DTYPES, check_runnable_device, check_shape, check_tensor
+from deepinfer_kernels.runtime import Launch, Target, run_launches
+from deepinfer_kernels.validation import (
+    FLOAT_DTYPES,
+    check_runnable_device,
+    check_shape,
+    check_tensor,
+)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.runtime import interpreting
+from deepinfer_kernels.runtime import interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -28,13 +28,13 @@ Benchmark: ``python benchmarks/bench_scheduler.py``. Imports neither ``kernels``
 ``deepinfer``.
 """
 
-from scheduler.batch import LaunchBatch
-from scheduler.block_manager import BlockPool
-from scheduler.config import EngineType, SchedulerConfig
-from scheduler.outputs import SchedulerOutputs, SchedulerStats
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.state_manager import StateManager
+from deepinfer_scheduler.batch import LaunchBatch
+from deepinfer_scheduler.block_manager import BlockPool
+from deepinfer_scheduler.config import EngineType, SchedulerConfig
+from deepinfer_scheduler.outputs import SchedulerOutputs, SchedulerStats
+from deepinfer_scheduler.scheduler import Scheduler
+from deepinfer_scheduler.sequence import Sequence, SequenceStatus
+from deepinfer_scheduler.state_manager import StateManager
 
 __all__ = [
     "BlockPool",

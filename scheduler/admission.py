@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache import KVCache
-from scheduler.outputs import SchedulerStats
-from scheduler.registry import SequenceRegistry
-from scheduler.sequence import Sequence
-from scheduler.state_manager import StateManager
-from scheduler.util import cdiv
+from deepinfer_scheduler.config import SchedulerConfig
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.outputs import SchedulerStats
+from deepinfer_scheduler.registry import SequenceRegistry
+from deepinfer_scheduler.sequence import Sequence
+from deepinfer_scheduler.state_manager import StateManager
+from deepinfer_scheduler.util import cdiv
 
 
 class Admission:

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from scheduler.kv_cache import KVCache
-from scheduler.sequence import Sequence
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.sequence import Sequence
 
 
 @dataclass

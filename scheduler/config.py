@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from scheduler.util import cdiv
+from deepinfer_scheduler.util import cdiv
 
 
 class EngineType(enum.IntEnum):

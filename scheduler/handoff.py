@@ -18,11 +18,11 @@ from collections.abc import Sequence as _Seq
 
 import numpy as np
 
-from scheduler.kv_cache import KVCache
-from scheduler.registry import SequenceRegistry
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.state_manager import StateManager
-from scheduler.util import cdiv
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.registry import SequenceRegistry
+from deepinfer_scheduler.sequence import Sequence, SequenceStatus
+from deepinfer_scheduler.state_manager import StateManager
+from deepinfer_scheduler.util import cdiv
 
 _RUNNING = SequenceStatus.RUNNING
 _TRANSFERRING = SequenceStatus.TRANSFERRING

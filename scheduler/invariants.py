@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from scheduler.kv_cache import KVCache
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.state_manager import StateManager
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.sequence import Sequence, SequenceStatus
+from deepinfer_scheduler.state_manager import StateManager
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.block_manager import ROOT_HASH, BlockPool, chain_hash
-from scheduler.sequence import Sequence
-from scheduler.util import cdiv
+from deepinfer_scheduler.block_manager import ROOT_HASH, BlockPool, chain_hash
+from deepinfer_scheduler.sequence import Sequence
+from deepinfer_scheduler.util import cdiv
 
 
 class KVCache:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from scheduler.batch import LaunchBatch
-from scheduler.sequence import Sequence
+from deepinfer_scheduler.batch import LaunchBatch
+from deepinfer_scheduler.sequence import Sequence
 
 # Shared by every step without copies or new sequences: no allocation on the hot path
 # (size 0, so a borrower cannot change them).

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.config import EngineType, SchedulerConfig
-from scheduler.sequence import Sequence
-from scheduler.util import cdiv
+from deepinfer_scheduler.config import EngineType, SchedulerConfig
+from deepinfer_scheduler.sequence import Sequence
+from deepinfer_scheduler.util import cdiv
 
 
 def validate_request(config: SchedulerConfig, request_id: str, prompt: list[int],

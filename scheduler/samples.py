@@ -13,10 +13,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from scheduler.kv_cache import KVCache
-from scheduler.registry import SequenceRegistry
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.state_manager import StateManager
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.registry import SequenceRegistry
+from deepinfer_scheduler.sequence import Sequence, SequenceStatus
+from deepinfer_scheduler.state_manager import StateManager
 
 _RUNNING = SequenceStatus.RUNNING
 _FINISHED = SequenceStatus.FINISHED

@@ -21,20 +21,20 @@ from collections.abc import Sequence as _Seq
 import numpy as np
 import torch
 
-from scheduler.admission import Admission
-from scheduler.batch import BatchBuilder, LaunchBatch
-from scheduler.block_manager import BlockPool
-from scheduler.config import EngineType, SchedulerConfig
-from scheduler.dp import DPVoter
-from scheduler.handoff import Handoffs
-from scheduler.invariants import check_scheduler
-from scheduler.kv_cache import KVCache
-from scheduler.outputs import SchedulerOutputs, SchedulerStats
-from scheduler.registry import SequenceRegistry, validate_request
-from scheduler.samples import SampleApplier, token_list
-from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.state_manager import StateManager
-from scheduler.step_type import Voter, choose_step, wants_prefill
+from deepinfer_scheduler.admission import Admission
+from deepinfer_scheduler.batch import BatchBuilder, LaunchBatch
+from deepinfer_scheduler.block_manager import BlockPool
+from deepinfer_scheduler.config import EngineType, SchedulerConfig
+from deepinfer_scheduler.dp import DPVoter
+from deepinfer_scheduler.handoff import Handoffs
+from deepinfer_scheduler.invariants import check_scheduler
+from deepinfer_scheduler.kv_cache import KVCache
+from deepinfer_scheduler.outputs import SchedulerOutputs, SchedulerStats
+from deepinfer_scheduler.registry import SequenceRegistry, validate_request
+from deepinfer_scheduler.samples import SampleApplier, token_list
+from deepinfer_scheduler.sequence import Sequence, SequenceStatus
+from deepinfer_scheduler.state_manager import StateManager
+from deepinfer_scheduler.step_type import Voter, choose_step, wants_prefill
 
 _WAITING = SequenceStatus.WAITING
 _RUNNING = SequenceStatus.RUNNING

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.sequence import Sequence
+from deepinfer_scheduler.sequence import Sequence
 
 # Input id of a sequence whose last token is still being sampled (resolved on the device).
 PLACEHOLDER = -1

@@ -14,8 +14,8 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
-from scheduler.config import EngineType, SchedulerConfig
-from scheduler.outputs import SchedulerOutputs
+from deepinfer_scheduler.config import EngineType, SchedulerConfig
+from deepinfer_scheduler.outputs import SchedulerOutputs
 
 
 class Voter(Protocol):

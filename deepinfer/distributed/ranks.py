@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from deepinfer.jobs.parts import merge_outputs, part_path
-from scheduler.dp import host_collective_stream
+from deepinfer_scheduler.dp import host_collective_stream
 
 # Exit status of a run in which a rank died or a collective failed (1: records failed).
 EXIT_RANK_FAILED = 3

@@ -17,7 +17,7 @@ from torch import nn
 
 from deepinfer.models.parallel_layers import Linear, row_parallel_linear
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
-from kernels import reference
+from deepinfer_kernels import reference
 
 
 class RMSNorm(nn.Module):

@@ -53,7 +53,7 @@ import torch
 from deepinfer.structured.bitmask import TokenMask
 from deepinfer.structured.grammar import GrammarCache, tokenizer_info
 from deepinfer.structured.params import StructuredOutputsParams
-from scheduler import Sequence
+from deepinfer_scheduler import Sequence
 
 # A row's mask costs 1-19 us on one core (SmolLM2's 49k vocabulary; most inside strings).
 # Many rows are filled by xgrammar's thread pool where there are cores to spare: on 2 cores

@@ -13,7 +13,7 @@ from deepinfer.jobs.parts import list_part_files
 
 ROOT = str(Path(__file__).resolve().parents[2])
 # Ranks share 2 cores with everything else: one thread each.
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LONG = "the quick brown fox jumps over the lazy dog"  # 33 tokens
 
 

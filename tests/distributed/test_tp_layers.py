@@ -90,7 +90,7 @@ def _make_step(seed: int, t: int, b: int, w: int, n_clone: int, is_prompt: bool)
     """A scheduler-output-like step with random launch tensors (the scheduler's dtypes)."""
     from types import SimpleNamespace
 
-    from scheduler.batch import LaunchBatch
+    from deepinfer_scheduler.batch import LaunchBatch
 
     g = torch.Generator().manual_seed(seed)
 

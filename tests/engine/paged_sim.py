@@ -9,7 +9,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.kv_cache_spec import kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
-from kernels import reference
+from deepinfer_kernels import reference
 
 
 class PagedSim:

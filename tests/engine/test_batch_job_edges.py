@@ -496,8 +496,6 @@ def _start_script(tmp_path: Path, source: str, arg: str) -> tuple[subprocess.Pop
     log = tmp_path / "script.log"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     with open(log, "wb") as logf:
         proc = subprocess.Popen([sys.executable, str(script), arg], cwd=str(REPO_ROOT),
                                 env=env, stdout=logf, stderr=subprocess.STDOUT)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -104,7 +103,6 @@ def test_module_entry_point(tmp_path, model_args):
         [sys.executable, "-m", "deepinfer.generate", "--input", str(inp), "--output", str(out),
          "--show", *model_args],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.returncode == 0, proc.stderr
     assert "done: 1 requests ok, 0 failed" in proc.stderr

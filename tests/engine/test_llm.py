@@ -86,13 +86,13 @@ def test_tiny_models_greedy_match_transformers(tiny_checkpoints, name):
 
 
 def test_triton_backend_interpreter_matches_transformers(tiny_checkpoints):
-    import kernels
+    import deepinfer_kernels
 
     ckpt = tiny_checkpoints["qwen3"]
     llm = LLM(ckpt.path, dtype="float32", device="cpu", attention_backend="triton",
               max_num_batched_tokens=16, max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
-    assert llm.engine.backend is kernels
+    assert llm.engine.backend is deepinfer_kernels
     _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG[:18], [9, 8]], 6)
 
 
@@ -125,9 +125,9 @@ def test_cpu_backend_builds_its_c_kernel_at_start_up():
     """Choosing the CPU backend builds (or loads from the cache) the C decode kernel then,
     not inside the first decode step."""
     from deepinfer.worker import resolve_backend
-    from kernels import cpu_native
+    from deepinfer_kernels import cpu_native
 
     cpu_native.native_library.cache_clear()
     backend = resolve_backend("auto", torch.device("cpu"))
-    assert backend.__name__ == "kernels.cpu_backend"
+    assert backend.__name__ == "deepinfer_kernels.cpu_backend"
     assert cpu_native.native_library.cache_info().currsize == 1

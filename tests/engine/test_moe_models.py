@@ -116,13 +116,13 @@ def test_checkpoint_with_stacked_experts_loads_the_same(moe_checkpoints, name, t
 
 
 def test_triton_backend_interpreter_moe(moe_checkpoints):
-    import kernels
+    import deepinfer_kernels
 
     ckpt = moe_checkpoints["qwen3_moe"]
     llm = LLM(ckpt.path, dtype="float32", device="cpu", attention_backend="triton",
               max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
-    assert llm.engine.backend is kernels
+    assert llm.engine.backend is deepinfer_kernels
     _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG[:10], [9, 8]], 3)
 
 

@@ -1,7 +1,7 @@
 """The sampler's draw: rows are drawn by its ops' ``sample_tokens`` (here the Triton
 kernel, through the interpreter on a CPU machine): straight from the logits when they only
 scale by a temperature, after the torch filters when top-k/top-p/min-p are on. Either way
-the ids are the torch sampler's (``Sampler()``: ``kernels.reference``) for the same
+the ids are the torch sampler's (``Sampler()``: ``deepinfer_kernels.reference``) for the same
 uniforms."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-import kernels
+import deepinfer_kernels
 from deepinfer.sampler import Sampler, SamplingTensors
 from deepinfer.sampling_params import SamplingParams as SP
 
@@ -25,7 +25,7 @@ class CountingOps(SimpleNamespace):
 
     def sample_tokens(self, logits, temperatures, uniforms):
         self.calls += 1
-        return kernels.sample_tokens(logits, temperatures, uniforms)
+        return deepinfer_kernels.sample_tokens(logits, temperatures, uniforms)
 
 
 def params(top_p: float = 1.0) -> list[SP]:

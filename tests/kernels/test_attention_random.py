@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, assert_close, generator, make_paged_kv, randn
 
 HEADS = [(4, 4), (8, 2), (5, 1), (6, 3), (7, 7)]
@@ -31,7 +31,7 @@ def test_decode_random(shape, lens, splits):
     g = generator(shape["seed"])
     kv = make_paged_kv(lens, bs, hkv, d, dtype, g)
     q = randn((len(lens), hq, d), dtype, g)
-    got = kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+    got = deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                          kv.seq_lens, num_splits=splits)
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                             kv.seq_lens)
@@ -61,7 +61,7 @@ def test_prefill_random(shape, pairs):
     qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
     q = randn((starts[-1], hq, d), dtype, g)
     out = torch.full_like(q, float("nan"))
-    kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
+    deepinfer_kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                     kv.seq_lens, out=out, max_query_len=max(q_lens))
     want = reference.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                              kv.seq_lens)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, bits, generator, randn
 
 
@@ -21,7 +21,7 @@ def test_clone_blocks_exact(dtype, index_dtype):
                          device=DEVICE)
     want = cache.clone()
     reference.clone_blocks(want, pairs)
-    kernels.clone_blocks(cache, pairs)
+    deepinfer_kernels.clone_blocks(cache, pairs)
     assert torch.equal(bits(cache), bits(want))
 
 
@@ -32,9 +32,9 @@ def test_clone_blocks_many_pairs_and_empty():
     pairs = torch.stack([perm[:300], perm[300:600]], dim=1).to(DEVICE)
     want = cache.clone()
     reference.clone_blocks(want, pairs)
-    kernels.clone_blocks(cache, pairs)
+    deepinfer_kernels.clone_blocks(cache, pairs)
     assert torch.equal(cache, want)
-    kernels.clone_blocks(cache, pairs[:0])
+    deepinfer_kernels.clone_blocks(cache, pairs[:0])
     assert torch.equal(cache, want)
 
 
@@ -54,12 +54,12 @@ def test_zero_states_exact(index_dtype):
     states = _states(g)
     want = [s.clone() for s in states]
     slots = torch.tensor([0, 4, 8], dtype=index_dtype, device=DEVICE)
-    kernels.zero_states(states, slots)
+    deepinfer_kernels.zero_states(states, slots)
     reference.zero_states(want, slots)
     for got, exp in zip(states, want):
         assert torch.equal(got, exp)
-    kernels.zero_states(states, slots[:0])
-    kernels.zero_states([], slots)
+    deepinfer_kernels.zero_states(states, slots[:0])
+    deepinfer_kernels.zero_states([], slots)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -68,7 +68,7 @@ def test_clone_states_exact(index_dtype):
     states = _states(g)
     want = [s.clone() for s in states]
     pairs = torch.tensor([[1, 2], [1, 3], [7, 0]], dtype=index_dtype, device=DEVICE)
-    kernels.clone_states(states, pairs)
+    deepinfer_kernels.clone_states(states, pairs)
     reference.clone_states(want, pairs)
     for got, exp in zip(states, want):
         assert torch.equal(got, exp)

@@ -24,9 +24,9 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from kernels import compile_cases as cc_cases  # noqa: E402
-from kernels import compile_check as cc  # noqa: E402
-from kernels import compile_report as cr  # noqa: E402
+from deepinfer_kernels import compile_cases as cc_cases  # noqa: E402
+from deepinfer_kernels import compile_check as cc  # noqa: E402
+from deepinfer_kernels import compile_report as cr  # noqa: E402
 
 QUICK = cc_cases.quick_cases()
 FULL_ENABLED = os.environ.get("DEEPINFER_COMPILE_FULL", "") not in ("", "0")

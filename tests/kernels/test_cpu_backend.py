@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_backend, reference
+from deepinfer_kernels import cpu_backend, reference
 from tests.kernels.helpers import assert_close, bits, generator, make_paged_kv, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from kernels import cpu_backend, cpu_native, reference
+from deepinfer_kernels import cpu_backend, cpu_native, reference
 from tests.kernels.helpers import assert_close, generator, make_paged_kv, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -191,7 +191,7 @@ def test_inputs_it_does_not_take_fall_back_to_torch():
 _CHILD = textwrap.dedent("""
     import json, warnings
     import torch
-    from kernels import cpu_backend, cpu_native, reference
+    from deepinfer_kernels import cpu_backend, cpu_native, reference
     SETUP
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, assert_close, generator, make_paged_kv, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -30,7 +30,7 @@ def test_decode_matches_reference(hq, hkv, d, bs, dtype, lens, num_splits):
     kv = make_paged_kv(lens, bs, hkv, d, dtype, g, num_blocks=3000 if d <= 80 else None)
     q = randn((len(lens), hq, d), dtype, g)
     out = torch.full_like(q, float("nan"))
-    got = kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+    got = deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                          kv.seq_lens, out=out, num_splits=num_splits)
     assert got is out
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
@@ -50,7 +50,7 @@ def test_decode_auto_splits_and_hints():
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                             kv.seq_lens, scale=0.3)
     for hint in (None, 300, 100):
-        got = kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+        got = deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                              kv.seq_lens, scale=0.3, max_seq_len=hint)
         assert_close(got, want, F32)
 
@@ -60,7 +60,7 @@ def test_decode_many_splits_some_empty():
     g = generator(11)
     kv = make_paged_kv([5, 40], 8, 1, 64, BF16, g, extra_cols=10)
     q = randn((2, 3, 64), BF16, g)
-    got = kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+    got = deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                          kv.seq_lens, num_splits=6)
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                             kv.seq_lens)
@@ -68,7 +68,7 @@ def test_decode_many_splits_some_empty():
 
 
 def test_decode_choose_num_splits():
-    from kernels.decode_attention import choose_num_splits
+    from deepinfer_kernels.decode_attention import choose_num_splits
 
     cpu = torch.device("cpu")
     assert choose_num_splits(64, 8, 4096, 64, cpu) == 1  # grid already covers the "SMs"

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import (
     DEVICE,
     TOLERANCES,
@@ -64,7 +64,7 @@ def test_decode_large_scores(dtype, q_mult, k_mult, scale, atol, num_splits):
     kv = _scaled_kv(lens, bs, hkv, d, dtype, g, k_mult)
     q = (randn((len(lens), hq, d), F32, g) * q_mult).to(dtype)
     out = torch.full_like(q, float("nan"))
-    got = kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+    got = deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                          kv.seq_lens, scale=scale, out=out,
                                          num_splits=num_splits)
     want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
@@ -84,7 +84,7 @@ def test_prefill_large_scores(dtype, q_mult, k_mult, scale, atol):
     q = (randn((sum(q_lens), hq, d), F32, g) * q_mult).to(dtype)
     qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    got = kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
+    got = deepinfer_kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                           kv.seq_lens, scale=scale, out=out)
     want = reference.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                              qsl, kv.seq_lens, scale=scale)

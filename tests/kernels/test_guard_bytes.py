@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_backend, reference
+import deepinfer_kernels
+from deepinfer_kernels import cpu_backend, reference
 from tests.kernels.helpers import DEVICE, bits, generator, randn
 
-BACKENDS = [pytest.param(kernels, id="triton"), pytest.param(reference, id="reference"),
+BACKENDS = [pytest.param(deepinfer_kernels, id="triton"), pytest.param(reference, id="reference"),
             pytest.param(cpu_backend, id="cpu_backend")]
 GUARD = 4096  # bytes each side: more than one cache row / state row below
 
@@ -138,12 +138,12 @@ def test_copy_ops_skip_negative_rows_triton():
     g = generator(25)
     full, cache = _guarded((1, 2, 3, 4, 1, 16), torch.float32, g)
     before = bits(full).clone()
-    kernels.clone_blocks(cache, torch.tensor([[0, -1], [-1, 0], [2, 3]], device=DEVICE))
+    deepinfer_kernels.clone_blocks(cache, torch.tensor([[0, -1], [-1, 0], [2, 3]], device=DEVICE))
     assert torch.equal(bits(full), before), "clone_blocks wrote for a row out of range"
     states = _states(g)
     befores = [bits(f).clone() for f, _ in states]
     views = [view for _, view in states]
-    kernels.zero_states(views, torch.tensor([-1, 7], device=DEVICE))
-    kernels.clone_states(views, torch.tensor([[0, -1], [-1, 0], [7, 1]], device=DEVICE))
+    deepinfer_kernels.zero_states(views, torch.tensor([-1, 7], device=DEVICE))
+    deepinfer_kernels.clone_states(views, torch.tensor([[0, -1], [-1, 0], [7, 1]], device=DEVICE))
     for (f, _), b in zip(states, befores):
         assert torch.equal(bits(f), b), "zero/clone_states wrote for a row out of range"

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, bits, generator, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -74,7 +74,7 @@ def test_rms_norm_matches_reference(rows, cols, dtype):
     x, w = randn((rows, cols), dtype, g), norm_weight(cols, dtype, g)
     eps = 1e-6
     before = [x.clone(), w.clone()]
-    out = kernels.rms_norm(x, w, eps)
+    out = deepinfer_kernels.rms_norm(x, w, eps)
     assert_unmodified(before, [x, w])
     assert_new(out, (rows, cols), dtype, [x, w])
     assert_close(out, reference.rms_norm(x, w, eps), TOL[dtype])
@@ -88,7 +88,7 @@ def test_add_rms_norm_matches_reference(rows, cols, dtype):
     w = norm_weight(cols, dtype, g)
     eps = 1e-5
     before = [x.clone(), res.clone(), w.clone()]
-    out, summed = kernels.add_rms_norm(x, res, w, eps)
+    out, summed = deepinfer_kernels.add_rms_norm(x, res, w, eps)
     assert_unmodified(before, [x, res, w])
     assert_new(out, (rows, cols), dtype, [x, res, w])
     assert_new(summed, (rows, cols), dtype, [x, res, w, out])
@@ -110,12 +110,12 @@ def test_rms_norm_strided_rows(dtype, residual):
     w = norm_weight(cols, dtype, g)
     before = [x.clone(), res.clone(), w.clone()]
     if residual:
-        out, summed = kernels.add_rms_norm(x, res, w, 1e-6)
+        out, summed = deepinfer_kernels.add_rms_norm(x, res, w, 1e-6)
         want, want_sum = reference.add_rms_norm(x, res, w, 1e-6)
         assert_new(summed, (rows, cols), dtype, [x, res, w, out])
         check_summed(summed, want_sum, dtype)
     else:
-        out, want = kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)
+        out, want = deepinfer_kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)
     assert_unmodified(before, [x, res, w])
     assert_new(out, (rows, cols), dtype, [x, res, w])
     assert_close(out, want, TOL[dtype])
@@ -139,8 +139,8 @@ def test_rms_norm_weights_and_eps(dtype, weight_dtype, eps, generic):
     x = (randn((rows, cols), F32, g) * scale).to(dtype)
     w = randn((cols,), weight_dtype, g) if generic else norm_weight(cols, weight_dtype, g)
     res = randn((rows, cols), dtype, g)
-    assert_close(kernels.rms_norm(x, w, eps), reference.rms_norm(x, w, eps), TOL[dtype])
-    out, summed = kernels.add_rms_norm(x, res, w, eps)
+    assert_close(deepinfer_kernels.rms_norm(x, w, eps), reference.rms_norm(x, w, eps), TOL[dtype])
+    out, summed = deepinfer_kernels.add_rms_norm(x, res, w, eps)
     want, want_sum = reference.add_rms_norm(x, res, w, eps)
     check_summed(summed, want_sum, dtype)
     assert_close(out, want, TOL[dtype])
@@ -157,11 +157,11 @@ def test_rms_norm_row_does_not_depend_on_the_batch(cols, dtype):
     g = generator(seed_for("rms_norm_batch_invariant", cols, dtype))
     x, res, w = randn((300, cols), dtype, g), randn((300, cols), dtype, g), norm_weight(
         cols, dtype, g)
-    full = kernels.rms_norm(x, w, 1e-6)
-    full_add = kernels.add_rms_norm(x, res, w, 1e-6)[0]
+    full = deepinfer_kernels.rms_norm(x, w, 1e-6)
+    full_add = deepinfer_kernels.add_rms_norm(x, res, w, 1e-6)[0]
     for lo, hi in ((0, 1), (257, 258), (3, 10), (290, 300)):
-        assert torch.equal(bits(kernels.rms_norm(x[lo:hi], w, 1e-6)), bits(full[lo:hi]))
-        part = kernels.add_rms_norm(x[lo:hi], res[lo:hi], w, 1e-6)[0]
+        assert torch.equal(bits(deepinfer_kernels.rms_norm(x[lo:hi], w, 1e-6)), bits(full[lo:hi]))
+        part = deepinfer_kernels.add_rms_norm(x[lo:hi], res[lo:hi], w, 1e-6)[0]
         assert torch.equal(bits(part), bits(full_add[lo:hi]))
 
 
@@ -169,7 +169,7 @@ def test_rms_norm_eps_is_used():
     """A large eps changes the result by the amount the reference says (not ignored)."""
     g = generator(seed_for("rms_norm_eps_used"))
     x, w = randn((3, 40), F32, g), norm_weight(40, F32, g)
-    small, large = kernels.rms_norm(x, w, 1e-6), kernels.rms_norm(x, w, 1.0)
+    small, large = deepinfer_kernels.rms_norm(x, w, 1e-6), deepinfer_kernels.rms_norm(x, w, 1.0)
     assert (small - large).abs().max() > 0.1
     assert_close(large, reference.rms_norm(x, w, 1.0), TOL[F32])
 
@@ -232,7 +232,7 @@ def test_rotary_qk_matches_reference(t, hq, hkv, d, dtype, norm):
     weights = (norm_weight(d, dtype, g), norm_weight(d, dtype, g)) if norm else (None, None)
     eps = 1e-6 if d != 80 else 1e-5
     before = [qkv.clone(), cache.clone(), pos.clone()] + [w.clone() for w in weights if norm]
-    q_out, k_out = kernels.rotary_qk(q, k, cache, pos, *weights, eps=eps)
+    q_out, k_out = deepinfer_kernels.rotary_qk(q, k, cache, pos, *weights, eps=eps)
     assert_unmodified(before, [qkv, cache, pos] + [w for w in weights if norm])
     inputs = [qkv, cache, pos] + [w for w in weights if norm]
     assert_new(q_out, (t, hq, d), dtype, inputs)
@@ -252,7 +252,7 @@ def test_rotary_qk_fp32_norm_weights_and_large_eps():
         cache, pos = rope_cache(20, 64, dtype, g), positions_in(4, 20, g)
         qw, kw = ((randn((64,), wdtype, g), randn((64,), wdtype, g)) if generic else
                   (norm_weight(64, wdtype, g), norm_weight(64, wdtype, g)))
-        got = kernels.rotary_qk(q, k, cache, pos, qw, kw, eps=eps)
+        got = deepinfer_kernels.rotary_qk(q, k, cache, pos, qw, kw, eps=eps)
         want = reference.rotary_qk(q, k, cache, pos, qw, kw, eps=eps)
         for a, b in zip(got, want):
             assert_close(a, b, rotary_tol(dtype, True))
@@ -270,7 +270,7 @@ def test_rotary_qk_position_out_of_range_gives_zero_rows(norm):
     cache = rope_cache(max_pos, d, F32, g)
     pos = torch.tensor([3, max_pos, -1, 0, max_pos + 1000, max_pos - 1], device=DEVICE)
     weights = (norm_weight(d, F32, g), norm_weight(d, F32, g)) if norm else (None, None)
-    q_out, k_out = kernels.rotary_qk(q, k, cache, pos, *weights)
+    q_out, k_out = deepinfer_kernels.rotary_qk(q, k, cache, pos, *weights)
     bad = torch.tensor([False, True, True, False, True, False], device=DEVICE)
     for out in (q_out, k_out):
         assert torch.equal(out[bad], torch.zeros_like(out[bad]))
@@ -290,7 +290,7 @@ def test_silu_and_mul_matches_reference(t, inter, dtype):
     g = generator(seed_for("silu_and_mul", t, inter, dtype))
     x = randn((t, 2 * inter), dtype, g) * 2
     before = x.clone()
-    out = kernels.silu_and_mul(x)
+    out = deepinfer_kernels.silu_and_mul(x)
     assert_unmodified([before], [x])
     assert_new(out, (t, inter), dtype, [x])
     assert_close(out, reference.silu_and_mul(x), TOL[dtype])
@@ -310,7 +310,7 @@ def test_silu_and_mul_strided_and_large_gates(dtype):
     x = big[:, 16:16 + 2 * inter]
     assert x.stride(0) != 2 * inter
     before = big.clone()
-    out = kernels.silu_and_mul(x)
+    out = deepinfer_kernels.silu_and_mul(x)
     assert_unmodified([before], [big])
     assert_new(out, (t, inter), dtype, [big])
     assert_close(out, reference.silu_and_mul(x), TOL[dtype])
@@ -322,20 +322,20 @@ def _fp16_outputs(op: str, g: torch.Generator) -> list[tuple[torch.Tensor, torch
     """(kernel, reference) output pairs of ``op`` on fp16 data."""
     if op == "silu_and_mul":
         x = randn((64, 1024), F16, g) * 2
-        return [(kernels.silu_and_mul(x), reference.silu_and_mul(x))]
+        return [(deepinfer_kernels.silu_and_mul(x), reference.silu_and_mul(x))]
     if op == "rotary_qk":
         _, q, k = fused_qkv(32, 8, 2, 128, F16, g)
         cache, pos = rope_cache(64, 128, F16, g), positions_in(32, 64, g)
         weights = (norm_weight(128, F16, g), norm_weight(128, F16, g))
         pairs = []
         for w in ((None, None), weights):
-            pairs += zip(kernels.rotary_qk(q, k, cache, pos, *w),
+            pairs += zip(deepinfer_kernels.rotary_qk(q, k, cache, pos, *w),
                          reference.rotary_qk(q, k, cache, pos, *w))
         return pairs
     x, res, w = randn((64, 512), F16, g), randn((64, 512), F16, g), norm_weight(512, F16, g)
     if op == "rms_norm":
-        return [(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))]
-    return list(zip(kernels.add_rms_norm(x, res, w, 1e-6),
+        return [(deepinfer_kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))]
+    return list(zip(deepinfer_kernels.add_rms_norm(x, res, w, 1e-6),
                     reference.add_rms_norm(x, res, w, 1e-6)))
 
 
@@ -357,16 +357,16 @@ def test_fp16_rounds_where_the_model_rounds(op):
 def test_empty_batch_returns_empty_tensors(dtype):
     g = generator(seed_for("layer_ops_empty", dtype))
     x, res, w = randn((0, 96), dtype, g), randn((0, 96), dtype, g), norm_weight(96, dtype, g)
-    assert_new(kernels.rms_norm(x, w, 1e-6), (0, 96), dtype, [])
-    out, summed = kernels.add_rms_norm(x, res, w, 1e-6)
+    assert_new(deepinfer_kernels.rms_norm(x, w, 1e-6), (0, 96), dtype, [])
+    out, summed = deepinfer_kernels.add_rms_norm(x, res, w, 1e-6)
     assert_new(out, (0, 96), dtype, [])
     assert_new(summed, (0, 96), dtype, [])
-    assert_new(kernels.silu_and_mul(randn((0, 80), dtype, g)), (0, 40), dtype, [])
+    assert_new(deepinfer_kernels.silu_and_mul(randn((0, 80), dtype, g)), (0, 40), dtype, [])
     _, q, k = fused_qkv(0, 8, 2, 64, dtype, g)
     cache = rope_cache(16, 64, dtype, g)
     pos = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     for weights in ((None, None), (norm_weight(64, dtype, g), norm_weight(64, dtype, g))):
-        q_out, k_out = kernels.rotary_qk(q, k, cache, pos, *weights)
+        q_out, k_out = deepinfer_kernels.rotary_qk(q, k, cache, pos, *weights)
         assert_new(q_out, (0, 8, 64), dtype, [])
         assert_new(k_out, (0, 2, 64), dtype, [])
 
@@ -376,6 +376,6 @@ def test_rotary_qk_eps_unchecked_without_norm():
     g = generator(seed_for("rotary_qk_eps_unused"))
     _, q, k = fused_qkv(2, 4, 2, 16, F32, g)
     cache, pos = rope_cache(8, 16, F32, g), positions_in(2, 8, g)
-    got = kernels.rotary_qk(q, k, cache, pos, eps=0.0)
+    got = deepinfer_kernels.rotary_qk(q, k, cache, pos, eps=0.0)
     for a, b in zip(got, reference.rotary_qk(q, k, cache, pos)):
         assert_close(a, b, TOL[F32])

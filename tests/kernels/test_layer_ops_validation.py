@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels import activation, cpu_backend, reference, rotary
+import deepinfer_kernels
+from deepinfer_kernels import activation, cpu_backend, reference, rotary
 from tests.kernels.helpers import DEVICE
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -31,33 +31,34 @@ def _rotary(**changes: object) -> None:
         positions=torch.zeros(3, dtype=torch.int64, device=DEVICE),
         q_norm_weight=None, k_norm_weight=None, eps=1e-6)
     args.update(changes)
-    kernels.rotary_qk(**args)
+    deepinfer_kernels.rotary_qk(**args)
 
 
 BAD_INPUTS = {
     # rms_norm / add_rms_norm
-    "rms_x_ndim": ("x", lambda: kernels.rms_norm(_t(2, 3, 8), _t(8), 1e-6)),
-    "rms_x_int": ("x", lambda: kernels.rms_norm(_t(2, 8, dtype=torch.int32), _t(8), 1e-6)),
-    "rms_x_strided_cols": ("x", lambda: kernels.rms_norm(_t(8, 2).t(), _t(8), 1e-6)),
-    "rms_weight_shape": ("weight", lambda: kernels.rms_norm(_t(2, 8), _t(9), 1e-6)),
-    "rms_weight_ndim": ("weight", lambda: kernels.rms_norm(_t(2, 8), _t(1, 8), 1e-6)),
-    "rms_weight_int": ("weight", lambda: kernels.rms_norm(
+    "rms_x_ndim": ("x", lambda: deepinfer_kernels.rms_norm(_t(2, 3, 8), _t(8), 1e-6)),
+    "rms_x_int": ("x", lambda: deepinfer_kernels.rms_norm(_t(2, 8, dtype=torch.int32), _t(8),
+                                                          1e-6)),
+    "rms_x_strided_cols": ("x", lambda: deepinfer_kernels.rms_norm(_t(8, 2).t(), _t(8), 1e-6)),
+    "rms_weight_shape": ("weight", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(9), 1e-6)),
+    "rms_weight_ndim": ("weight", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(1, 8), 1e-6)),
+    "rms_weight_int": ("weight", lambda: deepinfer_kernels.rms_norm(
         _t(2, 8), _t(8, dtype=torch.int64), 1e-6)),
-    "rms_eps_zero": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), 0.0)),
-    "rms_eps_negative": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), -1e-6)),
-    "rms_eps_nan": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), float("nan"))),
-    "rms_eps_none": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), None)),
-    "rms_eps_str": ("eps", lambda: kernels.rms_norm(_t(2, 8), _t(8), "1e-6")),
-    "add_x_ndim": ("x", lambda: kernels.add_rms_norm(_t(8), _t(8), _t(8), 1e-6)),
-    "add_residual_shape": ("residual", lambda: kernels.add_rms_norm(
+    "rms_eps_zero": ("eps", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(8), 0.0)),
+    "rms_eps_negative": ("eps", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(8), -1e-6)),
+    "rms_eps_nan": ("eps", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(8), float("nan"))),
+    "rms_eps_none": ("eps", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(8), None)),
+    "rms_eps_str": ("eps", lambda: deepinfer_kernels.rms_norm(_t(2, 8), _t(8), "1e-6")),
+    "add_x_ndim": ("x", lambda: deepinfer_kernels.add_rms_norm(_t(8), _t(8), _t(8), 1e-6)),
+    "add_residual_shape": ("residual", lambda: deepinfer_kernels.add_rms_norm(
         _t(2, 8), _t(3, 8), _t(8), 1e-6)),
-    "add_residual_dtype": ("residual", lambda: kernels.add_rms_norm(
+    "add_residual_dtype": ("residual", lambda: deepinfer_kernels.add_rms_norm(
         _t(2, 8), _t(2, 8, dtype=BF16), _t(8), 1e-6)),
-    "add_residual_ndim": ("residual", lambda: kernels.add_rms_norm(
+    "add_residual_ndim": ("residual", lambda: deepinfer_kernels.add_rms_norm(
         _t(2, 8), _t(1, 2, 8), _t(8), 1e-6)),
-    "add_weight_shape": ("weight", lambda: kernels.add_rms_norm(
+    "add_weight_shape": ("weight", lambda: deepinfer_kernels.add_rms_norm(
         _t(2, 8), _t(2, 8), _t(4), 1e-6)),
-    "add_eps_zero": ("eps", lambda: kernels.add_rms_norm(_t(2, 8), _t(2, 8), _t(8), 0)),
+    "add_eps_zero": ("eps", lambda: deepinfer_kernels.add_rms_norm(_t(2, 8), _t(2, 8), _t(8), 0)),
     # rotary_qk
     "rot_q_ndim": ("q", lambda: _rotary(q=_t(3, 32))),
     "rot_q_int": ("q", lambda: _rotary(q=_t(3, 4, 8, dtype=torch.int32))),
@@ -87,10 +88,10 @@ BAD_INPUTS = {
     "rot_norm_eps_none": ("eps", lambda: _rotary(q_norm_weight=_t(8), k_norm_weight=_t(8),
                                                  eps=None)),
     # silu_and_mul
-    "silu_ndim": ("gate_up", lambda: kernels.silu_and_mul(_t(8))),
-    "silu_int": ("gate_up", lambda: kernels.silu_and_mul(_t(2, 8, dtype=torch.int64))),
-    "silu_odd_width": ("gate_up", lambda: kernels.silu_and_mul(_t(2, 7))),
-    "silu_strided_cols": ("gate_up", lambda: kernels.silu_and_mul(_t(8, 2).t())),
+    "silu_ndim": ("gate_up", lambda: deepinfer_kernels.silu_and_mul(_t(8))),
+    "silu_int": ("gate_up", lambda: deepinfer_kernels.silu_and_mul(_t(2, 8, dtype=torch.int64))),
+    "silu_odd_width": ("gate_up", lambda: deepinfer_kernels.silu_and_mul(_t(2, 7))),
+    "silu_strided_cols": ("gate_up", lambda: deepinfer_kernels.silu_and_mul(_t(8, 2).t())),
 }
 
 
@@ -108,18 +109,18 @@ LAYER_OPS = ("rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul")
 
 
 def test_layer_ops_exported_by_every_backend():
-    """``kernels`` (Triton), ``kernels.cpu_backend`` and ``kernels.reference`` all export
+    """``deepinfer_kernels`` (Triton), its ``cpu_backend`` and its ``reference`` all export
     the four ops with the reference's signature; the CPU backend runs the reference's."""
     # kernels.rms_norm is the function (it shadows its module's name in the package).
-    rms_norm_module = importlib.import_module("kernels.rms_norm")
+    rms_norm_module = importlib.import_module("deepinfer_kernels.rms_norm")
     triton_impl = {"rms_norm": rms_norm_module.rms_norm,
                    "add_rms_norm": rms_norm_module.add_rms_norm,
                    "rotary_qk": rotary.rotary_qk, "silu_and_mul": activation.silu_and_mul}
     for name in LAYER_OPS:
-        assert name in kernels.__all__ and name in cpu_backend.__all__, name
-        assert getattr(kernels, name) is triton_impl[name]
+        assert name in deepinfer_kernels.__all__ and name in cpu_backend.__all__, name
+        assert getattr(deepinfer_kernels, name) is triton_impl[name]
         assert getattr(cpu_backend, name) is getattr(reference, name)
-        ours = inspect.signature(getattr(kernels, name))
+        ours = inspect.signature(getattr(deepinfer_kernels, name))
         ref = inspect.signature(getattr(reference, name))
         assert [(p.name, p.default) for p in ours.parameters.values()] == [
             (p.name, p.default) for p in ref.parameters.values()], name

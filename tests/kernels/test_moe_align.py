@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.moe_align import moe_align_size
+import deepinfer_kernels
+from deepinfer_kernels import reference
+from deepinfer_kernels.moe_align import moe_align_size
 from tests.kernels.helpers import DEVICE, generator, seed_for
 from tests.kernels.moe_helpers import routing
 
@@ -37,7 +37,7 @@ def _check_layout(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids,
 
 
 def _compare(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    got = kernels.moe_align(ids, num_experts, block_m)
+    got = deepinfer_kernels.moe_align(ids, num_experts, block_m)
     want = reference.moe_align(ids, num_experts, block_m)
     for name, a, b in zip(("sorted_ids", "block_expert", "num_padded"), got, want):
         assert a.dtype == torch.int32, name
@@ -76,5 +76,6 @@ def test_align_drops_out_of_range_ids():
 
 
 def test_align_no_tokens():
-    s, b, n = kernels.moe_align(torch.empty((0, 2), dtype=torch.int32, device=DEVICE), 4, 16)
+    ids = torch.empty((0, 2), dtype=torch.int32, device=DEVICE)
+    s, b, n = deepinfer_kernels.moe_align(ids, 4, 16)
     assert s.numel() == 0 and b.numel() == 0 and int(n[0]) == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, assert_close, generator, randn, seed_for
 from tests.kernels.moe_helpers import routing
 
@@ -28,9 +28,9 @@ def test_gemm_matches_reference(num_tokens, num_experts, top_k, n, k, per_token,
     pairs = num_tokens * top_k
     a = randn((num_tokens if per_token else pairs, k), dtype, g)
     w = (randn((num_experts, 2 * n if gated else n, k), F32, g) * k**-0.5).to(dtype)
-    align = kernels.moe_align(ids, num_experts, 16)
+    align = deepinfer_kernels.moe_align(ids, num_experts, 16)
     out = torch.full((pairs, n), float("nan"), dtype=dtype, device=DEVICE)
-    got = kernels.fused_moe_gemm(a, w, *align, weights if mul else None, out, top_k, mul,
+    got = deepinfer_kernels.fused_moe_gemm(a, w, *align, weights if mul else None, out, top_k, mul,
                                  gated=gated)
     assert got is out
     want = reference.fused_moe_gemm(a, w, *align, weights, torch.empty_like(out), top_k, mul,
@@ -46,7 +46,8 @@ def test_gemm_leaves_rows_of_dropped_pairs_alone():
     a = randn((2, 32), F32, g)
     w = randn((3, 16, 32), F32, g)
     out = torch.full((4, 16), float("nan"), device=DEVICE)
-    kernels.fused_moe_gemm(a, w, *kernels.moe_align(ids, 3, 16), None, out, 2, False)
+    aligned = deepinfer_kernels.moe_align(ids, 3, 16)
+    deepinfer_kernels.fused_moe_gemm(a, w, *aligned, None, out, 2, False)
     assert torch.isnan(out[1]).all()
     torch.testing.assert_close(out[[0, 2, 3]], torch.stack([a[0] @ w[0].T, a[1] @ w[1].T,
                                                             a[1] @ w[2].T]))
@@ -59,8 +60,8 @@ def test_gemm_strided_activation_rows():
     big = randn((6, 80), F32, g)
     a = big[:, 8:40]
     w = randn((4, 24, 32), F32, g)
-    align = kernels.moe_align(ids, 4, 32)
+    align = deepinfer_kernels.moe_align(ids, 4, 32)
     out = torch.full((12, 24), float("nan"), device=DEVICE)
-    kernels.fused_moe_gemm(a, w, *align, weights, out, 2, True)
+    deepinfer_kernels.fused_moe_gemm(a, w, *align, weights, out, 2, True)
     want = reference.fused_moe_gemm(a, w, *align, weights, torch.empty_like(out), 2, True)
     assert_close(out, want, F32)

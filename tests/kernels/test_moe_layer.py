@@ -1,13 +1,13 @@
 """fused_moe (alignment + two grouped GEMMs + sum over k) against the per-expert torch loop
-(``kernels.reference.fused_moe``), which is itself checked against a dense fp64 oracle."""
+(``deepinfer_kernels.reference.fused_moe``), which is itself checked against a dense fp64 oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, assert_close, generator, randn, seed_for
 from tests.kernels.moe_helpers import dense_oracle, experts, routing
 
@@ -16,7 +16,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 def _run(x, w13, w2, weights, ids, dtype):
     out = torch.full_like(x, float("nan"))
-    got = kernels.fused_moe(x, w13, w2, weights, ids, out=out)
+    got = deepinfer_kernels.fused_moe(x, w13, w2, weights, ids, out=out)
     assert got is out
     want = reference.fused_moe(x, w13, w2, weights, ids)
     assert_close(out, want, dtype)
@@ -59,8 +59,8 @@ def test_route_then_fused_moe(renormalize):
     router = randn((32, 7), F32, g)
     w13, w2 = experts(7, 32, 24, F32, g)
     logits = x @ router
-    weights, ids = kernels.moe_route(logits, 2, renormalize)
-    out = kernels.fused_moe(x, w13, w2, weights, ids)
+    weights, ids = deepinfer_kernels.moe_route(logits, 2, renormalize)
+    out = deepinfer_kernels.fused_moe(x, w13, w2, weights, ids)
     rw, ri = reference.moe_route(logits, 2, renormalize)
     assert_close(out, reference.fused_moe(x, w13, w2, rw, ri), F32)
 
@@ -87,6 +87,6 @@ def test_property_random_routings(seed):
 def test_fused_moe_no_tokens():
     w13, w2 = experts(3, 16, 16, F32, generator(1))
     x = torch.empty((0, 16), device=DEVICE)
-    out = kernels.fused_moe(x, w13, w2, torch.empty((0, 2), device=DEVICE),
+    out = deepinfer_kernels.fused_moe(x, w13, w2, torch.empty((0, 2), device=DEVICE),
                             torch.empty((0, 2), dtype=torch.int32, device=DEVICE))
     assert out.shape == (0, 16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, generator, randn, seed_for
 
 
@@ -21,7 +21,7 @@ from tests.kernels.helpers import DEVICE, generator, randn, seed_for
 def test_route_matches_reference(num_tokens, num_experts, top_k, renormalize, dtype):
     g = generator(seed_for("route", num_tokens, num_experts, top_k, renormalize, dtype))
     logits = randn((num_tokens, num_experts), torch.float32, g).mul(3).to(dtype)
-    weights, ids = kernels.moe_route(logits, top_k, renormalize)
+    weights, ids = deepinfer_kernels.moe_route(logits, top_k, renormalize)
     ref_w, ref_i = reference.moe_route(logits, top_k, renormalize)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (num_tokens, top_k)
@@ -39,7 +39,7 @@ def test_route_matches_reference(num_tokens, num_experts, top_k, renormalize, dt
 def test_route_ties_pick_lowest_index():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]],
                           device=DEVICE)
-    weights, ids = kernels.moe_route(logits, 2, False)
+    weights, ids = deepinfer_kernels.moe_route(logits, 2, False)
     assert ids.tolist() == [[1, 2], [0, 1]]
     torch.testing.assert_close(weights[1], torch.full((2,), 0.2, device=DEVICE))
 
@@ -51,7 +51,7 @@ def test_route_nan_logits_keep_ids_in_range():
     for num_experts in (5, 8, 16):  # E below its padded width, and equal to it
         logits = randn((3, num_experts), torch.float32, generator(num_experts))
         logits[1, 2] = float("nan")
-        _, ids = kernels.moe_route(logits, 2, True)
+        _, ids = deepinfer_kernels.moe_route(logits, 2, True)
         _, ref_ids = reference.moe_route(logits, 2, True)
         assert ((ids >= 0) & (ids < num_experts)).all(), ids
         assert ids[1].tolist() == [0, 1]
@@ -62,21 +62,21 @@ def test_route_strided_rows_and_no_tokens():
     g = generator(7)
     wide = randn((4, 20), torch.float32, g)
     logits = wide[:, :9]  # row stride 20
-    w, i = kernels.moe_route(logits, 3, True)
+    w, i = deepinfer_kernels.moe_route(logits, 3, True)
     rw, ri = reference.moe_route(logits, 3, True)
     assert torch.equal(i, ri)
     torch.testing.assert_close(w, rw)
-    w0, i0 = kernels.moe_route(wide[:0], 2, True)
+    w0, i0 = deepinfer_kernels.moe_route(wide[:0], 2, True)
     assert w0.shape == i0.shape == (0, 2)
 
 
 def test_route_torch_fallback_many_experts():
     """Past MAX_TRITON_EXPERTS the op uses torch.topk: same results on untied data."""
-    from kernels.moe_routing import MAX_TRITON_EXPERTS
+    from deepinfer_kernels.moe_routing import MAX_TRITON_EXPERTS
 
     g = generator(8)
     logits = randn((3, MAX_TRITON_EXPERTS + 5), torch.float32, g)
-    w, i = kernels.moe_route(logits, 4, True)
+    w, i = deepinfer_kernels.moe_route(logits, 4, True)
     rw, ri = reference.moe_route(logits, 4, True)
     assert torch.equal(i, ri)
     torch.testing.assert_close(w, rw)

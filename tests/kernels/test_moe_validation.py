@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, generator, randn
 from tests.kernels.moe_helpers import experts, routing
 
@@ -25,7 +25,7 @@ def _layer_args():
 
 def _gemm_args():
     a = _layer_args()
-    align = kernels.moe_align(a["topk_ids"], 5, 16)
+    align = deepinfer_kernels.moe_align(a["topk_ids"], 5, 16)
     return dict(a=a["x"], w=a["w2"].transpose(1, 2).contiguous(), sorted_ids=align[0],
                 block_expert=align[1], num_padded=align[2], topk_weights=a["topk_weights"],
                 out=torch.empty((8, 16), device=DEVICE), top_k=2, mul_routed_weight=True)
@@ -44,7 +44,7 @@ def test_route_rejects(name, mutate):
     args = dict(router_logits=randn((3, 5), F32, generator(42)), top_k=2, renormalize=True)
     args[name] = mutate(args)
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        kernels.moe_route(**args)
+        deepinfer_kernels.moe_route(**args)
 
 
 @pytest.mark.parametrize("name, mutate", [
@@ -59,7 +59,7 @@ def test_align_rejects(name, mutate):
     args = dict(topk_ids=_layer_args()["topk_ids"], num_experts=5, block_m=16)
     args[name] = mutate(args)
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        kernels.moe_align(**args)
+        deepinfer_kernels.moe_align(**args)
 
 
 @pytest.mark.parametrize("name, mutate", [
@@ -84,7 +84,7 @@ def test_gemm_rejects_and_writes_nothing(name, mutate):
     out = args["out"]
     out.fill_(3.0)
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        kernels.fused_moe_gemm(**args)
+        deepinfer_kernels.fused_moe_gemm(**args)
     assert (out == 3.0).all()
 
 
@@ -93,7 +93,7 @@ def test_gemm_rejects_odd_gated_width():
     args["w"] = args["w"][:, :15].contiguous()
     args["out"] = args["out"][:, :7]
     with pytest.raises(ValueError, match="^w:"):
-        kernels.fused_moe_gemm(**args, gated=True)
+        deepinfer_kernels.fused_moe_gemm(**args, gated=True)
 
 
 @pytest.mark.parametrize("name, mutate", [
@@ -116,12 +116,12 @@ def test_fused_moe_rejects(name, mutate):
     args["out"] = None
     args[name] = mutate(args)
     with pytest.raises(ValueError, match=rf"^{name}:"):
-        kernels.fused_moe(**args)
+        deepinfer_kernels.fused_moe(**args)
 
 
 @pytest.mark.parametrize("name", ["moe_route", "moe_align", "fused_moe_gemm", "fused_moe"])
 def test_signature_matches_reference(name):
-    ours = inspect.signature(getattr(kernels, name))
+    ours = inspect.signature(getattr(deepinfer_kernels, name))
     ref = inspect.signature(getattr(reference, name))
     assert list(ours.parameters) == list(ref.parameters)
     for p in ours.parameters.values():
@@ -141,19 +141,19 @@ def test_no_host_reads(monkeypatch):
     with monkeypatch.context() as m:
         for attr in ("item", "tolist"):
             m.setattr(torch.Tensor, attr, boom)
-        kernels.moe_route(logits, 2, True)
-        kernels.moe_align(args["topk_ids"], 5, 16)
-        kernels.fused_moe_gemm(**gemm)
-        kernels.fused_moe(**args)
+        deepinfer_kernels.moe_route(logits, 2, True)
+        deepinfer_kernels.moe_align(args["topk_ids"], 5, 16)
+        deepinfer_kernels.fused_moe_gemm(**gemm)
+        deepinfer_kernels.fused_moe(**args)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
 def test_no_sync_cuda():
     args = _layer_args()
     logits = randn((4, 5), F32, generator(43))
-    calls = [lambda: kernels.moe_route(logits, 2, True),
-             lambda: kernels.moe_align(args["topk_ids"], 5, 16),
-             lambda: kernels.fused_moe(**args)]
+    calls = [lambda: deepinfer_kernels.moe_route(logits, 2, True),
+             lambda: deepinfer_kernels.moe_align(args["topk_ids"], 5, 16),
+             lambda: deepinfer_kernels.fused_moe(**args)]
     for call in calls:  # compile first
         call()
     torch.cuda.synchronize()

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-import kernels
+import deepinfer_kernels
 from tests.kernels.helpers import DEVICE, generator, make_paged_kv, randn
 
 
@@ -31,22 +31,22 @@ def _calls():
     norm_w = randn((64,), torch.float32, g)
     temps, uniforms = w[:5].abs() + 0.5, w[5:10].abs() % 1
     return [
-        lambda: kernels.rms_norm(x, w, 1e-6),
-        lambda: kernels.add_rms_norm(x, x, w, 1e-6),
-        lambda: kernels.rotary_qk(qp, k, rope, pos),
-        lambda: kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
-        lambda: kernels.silu_and_mul(x),
-        lambda: kernels.sample_tokens(x, temps, uniforms),
-        lambda: kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
-        lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+        lambda: deepinfer_kernels.rms_norm(x, w, 1e-6),
+        lambda: deepinfer_kernels.add_rms_norm(x, x, w, 1e-6),
+        lambda: deepinfer_kernels.rotary_qk(qp, k, rope, pos),
+        lambda: deepinfer_kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
+        lambda: deepinfer_kernels.silu_and_mul(x),
+        lambda: deepinfer_kernels.sample_tokens(x, temps, uniforms),
+        lambda: deepinfer_kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
+        lambda: deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens),
-        lambda: kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+        lambda: deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens, num_splits=2),
-        lambda: kernels.paged_prefill_attention(qp, kv.k_cache, kv.v_cache, kv.block_tables,
-                                                qsl, kv.seq_lens),
-        lambda: kernels.clone_blocks(cache, pairs),
-        lambda: kernels.zero_states(states, pairs[:, 0]),
-        lambda: kernels.clone_states(states, clone_pairs),
+        lambda: deepinfer_kernels.paged_prefill_attention(qp, kv.k_cache, kv.v_cache,
+                                                          kv.block_tables, qsl, kv.seq_lens),
+        lambda: deepinfer_kernels.clone_blocks(cache, pairs),
+        lambda: deepinfer_kernels.zero_states(states, pairs[:, 0]),
+        lambda: deepinfer_kernels.clone_states(states, clone_pairs),
     ]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import assert_close, generator, make_paged_kv, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -36,7 +36,7 @@ def _run(hq, hkv, d, bs, dtype, pairs, seed, max_query_len="exact", num_blocks=N
     q = randn((sum(q_lens), hq, d), dtype, g)
     out = torch.full_like(q, float("nan"))
     hint = max(q_lens) if max_query_len == "exact" else max_query_len
-    got = kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
+    got = deepinfer_kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                           kv.seq_lens, out=out, max_query_len=hint)
     assert got is out
     want = reference.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
@@ -62,7 +62,7 @@ def test_prefill_custom_scale_and_strided_q():
     qsl = torch.tensor([0, 10, 14], dtype=torch.int32, device=kv.seq_lens.device)
     qkv = randn((14, 8, 64), F32, g)
     q = qkv[:, :4]  # 4 q heads, then k/v heads in the same fused tensor
-    got = kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
+    got = deepinfer_kernels.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                           kv.seq_lens, scale=0.2, max_query_len=10)
     want = reference.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, qsl,
                                              kv.seq_lens, scale=0.2)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.runtime import Target
-from kernels.sampling import sample_tokens_launches
+import deepinfer_kernels
+from deepinfer_kernels import reference
+from deepinfer_kernels.runtime import Target
+from deepinfer_kernels.sampling import sample_tokens_launches
 from tests.kernels.helpers import DEVICE, bits, generator, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -51,10 +51,10 @@ def uniforms(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``kernels.sample_tokens``, checking that it leaves its inputs as they were and
+    """``deepinfer_kernels.sample_tokens``, checking that it leaves its inputs as they were and
     returns a new ``[N]`` int64 tensor on the logits' device."""
     before = [t.clone() for t in (logits, temps, u)]
-    out = kernels.sample_tokens(logits, temps, u)
+    out = deepinfer_kernels.sample_tokens(logits, temps, u)
     for i, (b, a) in enumerate(zip(before, (logits, temps, u))):
         assert torch.equal(bits(b), bits(a)), f"input {i} was modified"
     assert out.shape == (logits.shape[0],) and out.dtype == torch.int64
@@ -124,7 +124,7 @@ def test_strided_rows_match_contiguous():
 
 def test_no_rows():
     logits = torch.empty(0, 7, device=DEVICE)
-    out = kernels.sample_tokens(logits, torch.empty(0, device=DEVICE),
+    out = deepinfer_kernels.sample_tokens(logits, torch.empty(0, device=DEVICE),
                                 torch.empty(0, device=DEVICE))
     assert out.shape == (0,) and out.dtype == torch.int64 and out.device == logits.device
 
@@ -306,7 +306,7 @@ def _t(*shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
 def _sample(logits: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
             uniforms: torch.Tensor | None = None) -> None:
     """sample_tokens on valid arguments (N 3, V 8) with the given ones replaced."""
-    kernels.sample_tokens(_t(3, 8) if logits is None else logits,
+    deepinfer_kernels.sample_tokens(_t(3, 8) if logits is None else logits,
                           _t(3) if temperatures is None else temperatures,
                           _t(3) if uniforms is None else uniforms)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, bits, generator, randn, seed_for
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -33,7 +33,7 @@ def test_store_kv_exact(num_tokens, hkv, d, bs, src_dtype, cache_dtype, num_bloc
     k_cache = randn(shape, cache_dtype, g)
     v_cache = randn(shape, cache_dtype, g)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    deepinfer_kernels.store_kv(k, v, k_cache, v_cache, slots)
     reference.store_kv(k, v, k_ref, v_ref, slots)
     if src_dtype != cache_dtype and DEVICE.type == "cpu":
         # The interpreter (triton 3.9) truncates fp32 -> bf16 where torch and compiled
@@ -54,8 +54,8 @@ def test_store_kv_strided_inputs_and_empty():
     v_cache = randn((10, 16, 2, 64), F32, g)
     slots = torch.tensor([0, 15, 16, 17, 159, -5, 40, 41, 100], device=DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    deepinfer_kernels.store_kv(k, v, k_cache, v_cache, slots)
     reference.store_kv(k, v, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
+    deepinfer_kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
     assert torch.equal(k_cache, k_ref)

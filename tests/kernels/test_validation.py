@@ -7,8 +7,8 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import deepinfer_kernels
+from deepinfer_kernels import reference
 from tests.kernels.helpers import DEVICE, bits, generator, make_paged_kv, randn
 
 F32 = torch.float32
@@ -61,12 +61,12 @@ def test_decode_rejects(name, mutate):
     args = _decode_args()
     args[name] = mutate(args)
     with pytest.raises(ValueError, match=name):
-        kernels.paged_decode_attention(**args)
+        deepinfer_kernels.paged_decode_attention(**args)
 
 
-@pytest.mark.parametrize("fn, make", [(lambda **a: kernels.paged_decode_attention(**a),
+@pytest.mark.parametrize("fn, make", [(lambda **a: deepinfer_kernels.paged_decode_attention(**a),
                                        _decode_args),
-                                      (lambda **a: kernels.paged_prefill_attention(**a),
+                                      (lambda **a: deepinfer_kernels.paged_prefill_attention(**a),
                                        _prefill_args)])
 def test_caches_of_block_size_zero_are_refused(fn, make):
     """The kernels divide positions by the block size: 0 is named, never launched."""
@@ -85,7 +85,7 @@ def test_prefill_rejects(name, mutate):
     args = _prefill_args()
     args[name] = mutate(args)
     with pytest.raises(ValueError, match=name):
-        kernels.paged_prefill_attention(**args)
+        deepinfer_kernels.paged_prefill_attention(**args)
 
 
 @pytest.mark.parametrize("name, mutate", [
@@ -102,7 +102,7 @@ def test_store_kv_rejects_and_writes_nothing(name, mutate):
     args[name] = mutate(args)
     before = [bits(args["k_cache"]).clone(), bits(args["v_cache"]).clone()]
     with pytest.raises(ValueError, match=name):
-        kernels.store_kv(**args)
+        deepinfer_kernels.store_kv(**args)
     assert torch.equal(bits(args["k_cache"]), before[0])
     assert torch.equal(bits(args["v_cache"]), before[1])
 
@@ -116,39 +116,39 @@ def test_clone_blocks_rejects_and_writes_nothing(bad_pairs):
     cache = randn((2, 2, 4, 8, 1, 64), F32, generator(24))
     before = cache.clone()
     with pytest.raises(ValueError, match="pairs"):
-        kernels.clone_blocks(cache, bad_pairs.to(DEVICE))
+        deepinfer_kernels.clone_blocks(cache, bad_pairs.to(DEVICE))
     assert torch.equal(cache, before)
     with pytest.raises(ValueError, match="kv_cache"):
-        kernels.clone_blocks(cache[0], torch.tensor([[0, 1]], device=DEVICE))
+        deepinfer_kernels.clone_blocks(cache[0], torch.tensor([[0, 1]], device=DEVICE))
     # K and V: a cache without both planes would be copied past its end, or in part.
     for planes in (1, 3):
         odd = randn((2, planes, 4, 8, 1, 64), F32, generator(26))
         kept = odd.clone()
         with pytest.raises(ValueError, match="^kv_cache: expected"):
-            kernels.clone_blocks(odd, torch.tensor([[0, 1]], device=DEVICE))
+            deepinfer_kernels.clone_blocks(odd, torch.tensor([[0, 1]], device=DEVICE))
         assert torch.equal(odd, kept)
 
 
 def test_states_reject():
     states = [randn((4, 3), F32, generator(25))]
     with pytest.raises(ValueError, match="slots"):
-        kernels.zero_states(states, torch.tensor([0.5], device=DEVICE))
+        deepinfer_kernels.zero_states(states, torch.tensor([0.5], device=DEVICE))
     with pytest.raises(ValueError, match="pairs"):
-        kernels.clone_states(states, torch.tensor([0, 1], device=DEVICE))
+        deepinfer_kernels.clone_states(states, torch.tensor([0, 1], device=DEVICE))
     with pytest.raises(ValueError, match=r"states\[1\]"):
-        kernels.zero_states([states[0], states[0].t()], torch.tensor([0], device=DEVICE))
+        deepinfer_kernels.zero_states([states[0], states[0].t()], torch.tensor([0], device=DEVICE))
     with pytest.raises(ValueError, match="states"):
-        kernels.zero_states(states[0], torch.tensor([0], device=DEVICE))
+        deepinfer_kernels.zero_states(states[0], torch.tensor([0], device=DEVICE))
 
 
 def test_public_api_matches_reference():
-    assert sorted(kernels.__all__) == sorted([
+    assert sorted(deepinfer_kernels.__all__) == sorted([
         "store_kv", "paged_decode_attention", "paged_prefill_attention", "clone_blocks",
         "zero_states", "clone_states", "moe_route", "moe_align", "fused_moe_gemm",
         "fused_moe", "rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul",
         "sample_tokens"])
-    for name in kernels.__all__:
-        ours = inspect.signature(getattr(kernels, name))
+    for name in deepinfer_kernels.__all__:
+        ours = inspect.signature(getattr(deepinfer_kernels, name))
         ref = inspect.signature(getattr(reference, name))
         assert list(ours.parameters) == list(ref.parameters), name
         for p in ours.parameters.values():

@@ -17,7 +17,7 @@ def run_rank(rank: int, world: int, port: int, loads: list, cfg: dict, outdir: s
     finished sequences' output lengths to ``outdir/rank{rank}.json``."""
     torch.set_num_threads(1)
     from deepinfer.distributed.ranks import destroy_group
-    from scheduler import Scheduler, SchedulerConfig
+    from deepinfer_scheduler import Scheduler, SchedulerConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+from deepinfer_scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 
 
 def make(num_blocks: int = 64, **kw) -> Scheduler:

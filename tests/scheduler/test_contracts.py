@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import BlockPool, EngineType, SchedulerConfig, StateManager
+from deepinfer_scheduler import BlockPool, EngineType, SchedulerConfig, StateManager
 from tests.scheduler.helpers import FakeRunner, make, run_to_completion, tokens_of
 from tests.scheduler.test_step_type import FakeVoter
 

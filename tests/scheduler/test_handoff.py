@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import EngineType, SequenceStatus
+from deepinfer_scheduler import EngineType, SequenceStatus
 from tests.scheduler.helpers import FakeRunner, make, tokens_of
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from scheduler import Sequence, SequenceStatus
+from deepinfer_scheduler import Sequence, SequenceStatus
 from tests.scheduler.helpers import (
     FakeRunner,
     checked_step,

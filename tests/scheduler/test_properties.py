@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Scheduler, SchedulerConfig
-from scheduler.util import cdiv
+from deepinfer_scheduler import Scheduler, SchedulerConfig
+from deepinfer_scheduler.util import cdiv
 from tests.scheduler.helpers import FakeRunner
 
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from scheduler import EngineType, Scheduler, SchedulerConfig, SequenceStatus
+from deepinfer_scheduler import EngineType, Scheduler, SchedulerConfig, SequenceStatus
 from tests.scheduler.helpers import FakeRunner, make, run_to_completion
 
 
@@ -290,7 +290,7 @@ def test_prefix_cache_shared_while_running():
 
 
 def test_prefix_cache_verifies_tokens_on_hash_collision(monkeypatch):
-    import scheduler.kv_cache as mod
+    import deepinfer_scheduler.kv_cache as mod
 
     monkeypatch.setattr(mod, "chain_hash", lambda parent, toks: 12345)
     s = make(block_size=4)

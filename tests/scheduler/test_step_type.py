@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from scheduler import EngineType
+from deepinfer_scheduler import EngineType
 from tests.scheduler.helpers import FakeRunner, make
 
 

@@ -1,0 +1,131 @@
+"""What the project installs: import names of its own (the folders kernels/ and
+scheduler/ install as deepinfer_kernels and deepinfer_scheduler), every package in the
+wheel, and HuggingFace's ``kernels`` (a transformers dependency) importable beside it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("deepinfer", "kernels", "scheduler")
+
+
+def _setuptools_config() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]
+
+
+def _import_names() -> dict[str, str]:
+    """Folder -> top-level import name, as pyproject's package-dir maps them."""
+    mapping = {folder: folder for folder in FOLDERS}
+    for name, folder in _setuptools_config()["package-dir"].items():
+        mapping[folder] = name
+    return mapping
+
+
+def _packages_on_disk() -> set[str]:
+    names = _import_names()
+    found = set()
+    for folder in FOLDERS:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((names[folder], *rel)))
+    return found
+
+
+def test_import_names_are_the_projects_own():
+    assert set(_import_names().values()) == {"deepinfer", "deepinfer_kernels",
+                                              "deepinfer_scheduler"}
+
+
+def test_packages_list_covers_every_package_folder():
+    listed = set(_setuptools_config()["packages"])
+    on_disk = _packages_on_disk()
+    assert listed == on_disk, (f"pyproject's packages miss {sorted(on_disk - listed)}, "
+                               f"or list what is gone: {sorted(listed - on_disk)}")
+
+
+def test_huggingface_kernels_imports_beside_deepinfer_in_this_process():
+    """make test runs the venv's pytest in importlib mode, so the checkout's kernels/
+    folder is not on sys.path to hide the installed ``kernels``."""
+    kernels = pytest.importorskip("kernels")
+    import deepinfer_kernels
+
+    assert Path(deepinfer_kernels.__file__).parent == ROOT / "kernels"
+    assert not Path(kernels.__file__).is_relative_to(ROOT / "kernels")
+    assert hasattr(kernels, "get_kernel")
+
+
+def test_huggingface_kernels_imports_beside_deepinfer_in_a_fresh_process(tmp_path):
+    pytest.importorskip("kernels")
+    code = ("import deepinfer, deepinfer_kernels, deepinfer_scheduler, transformers, kernels\n"
+            "from deepinfer import LLM, SamplingParams\n"
+            "print(kernels.get_kernel.__module__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().startswith("kernels")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """The wheel built from a copy of the sources (a build in the checkout would leave
+    build/ and egg-info behind while other tests run)."""
+    src = tmp_path_factory.mktemp("src")
+    for folder in FOLDERS:
+        shutil.copytree(ROOT / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("dist")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                          "--no-build-isolation", "-q", "-w", str(out), str(src)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (path,) = out.glob("deepinfer-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_wheel_holds_every_module_under_its_import_name(wheel):
+    names = set(wheel.namelist())
+    mapping = _import_names()
+    for folder in FOLDERS:
+        for src in (ROOT / folder).rglob("*.py"):
+            rel = src.relative_to(ROOT / folder).as_posix()
+            assert f"{mapping[folder]}/{rel}" in names, f"{folder}/{rel} is not in the wheel"
+    assert "deepinfer_kernels/csrc/paged_decode_cpu.c" in names
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"deepinfer", "deepinfer_kernels", "deepinfer_scheduler"}
+
+
+def test_wheel_requires_no_transformers_upper_bound(wheel):
+    (meta,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    requires = [line for line in wheel.read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist: transformers")]
+    assert requires and all("<" not in line for line in requires), requires
+
+
+def test_huggingface_kernels_imports_from_the_checkout_root():
+    """``python -m ...`` from the checkout puts its root on sys.path, where the kernels/
+    folder is found first under the name ``kernels``: it hands over to the installed one."""
+    pytest.importorskip("kernels")
+    code = ("import sys, kernels, transformers.activations, deepinfer_kernels\n"
+            "print(kernels.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert not Path(res.stdout.strip()).is_relative_to(ROOT / "kernels"), res.stdout
