@@ -4,8 +4,17 @@ The variable has to be set before any module decorates a kernel with ``triton.ji
 """
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# Ranks started with multiprocessing's spawn unpickle their functions by module name
+# (tests.distributed...), with this process's sys.path: the checkout's root goes at the
+# END, so that installed packages (HuggingFace's kernels above all) come first.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
