@@ -197,10 +197,11 @@ class DocRun:
     def run_through(self, index: int, shared_llm: Callable[..., Any]) -> None:
         """Run every block up to and including ``index`` that has not run yet."""
         while self.done <= index:
+            if self.broken:
+                pytest.fail(f"{self.blocks[index].name}: an earlier block of its document "
+                            f"failed: {self.broken}")
             block = self.blocks[self.done]
             self.done += 1
-            if self.broken:
-                pytest.fail(f"{block.name}: an earlier block failed: {self.broken}")
             try:
                 run_block(block, self, shared_llm)
             except BaseException:
