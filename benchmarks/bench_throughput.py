@@ -270,7 +270,7 @@ def test_throughput_tp_smoke(tmp_path, monkeypatch) -> None:
     import throughput_tp
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from deepinfer.random_model import build_bpe_tokenizer
+    from deepinfer.testing.random_model import build_bpe_tokenizer
 
     # write_tp_results writes into its own module's RESULTS.
     monkeypatch.setattr(throughput_tp, "RESULTS", str(tmp_path))

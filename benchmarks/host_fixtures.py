@@ -27,7 +27,7 @@ def make_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from deepinfer.random_model import build_bpe_tokenizer
+    from deepinfer.testing.random_model import build_bpe_tokenizer
 
     tok = build_bpe_tokenizer(290)
     spec = dict(TINY_LLAMA)

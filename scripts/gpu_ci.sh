@@ -255,7 +255,7 @@ SMOL_TOKENIZER="$REPO/.gpu_assets/smollm2-tokenizer"
 structured() {
     local tok=()
     [ -f "$SMOL_TOKENIZER/tokenizer_config.json" ] && tok=(--tokenizer "$SMOL_TOKENIZER")
-    [ -f "$SMOL_DIR/config.json" ] || "$PY" -m deepinfer.random_model --preset smollm2-135m \
+    [ -f "$SMOL_DIR/config.json" ] || "$PY" -m deepinfer.testing.random_model --preset smollm2-135m \
         "${tok[@]}" --out "$SMOL_DIR" || return 1
     # --save-to: the table is rewritten after each round, so a cut run keeps its rounds.
     "$PY" benchmarks/bench_structured.py --model "$SMOL_DIR" --batch 64 --reps 3 \
@@ -275,7 +275,7 @@ step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" \
 MODEL_DIR="${TMPDIR:-/tmp}/deepinfer-qwen3-0.6b-random"
 e2e() {
     [ -f "$MODEL_DIR/config.json" ] \
-        || "$PY" -m deepinfer.random_model --preset qwen3-0.6b --out "$MODEL_DIR" || return 1
+        || "$PY" -m deepinfer.testing.random_model --preset qwen3-0.6b --out "$MODEL_DIR" || return 1
     "$PY" benchmarks/bench_throughput.py --model "$MODEL_DIR" --num-requests 256 \
         --min-len 100 --max-len 1024 --no-hf --name throughput-cuda || return 1
     cp benchmarks/results/throughput-cuda.json benchmarks/results/throughput-cuda.md \

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer.random_model import build_bpe_tokenizer
+from deepinfer.testing.random_model import build_bpe_tokenizer
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.random_model import build_bpe_tokenizer
+from deepinfer.testing.random_model import build_bpe_tokenizer
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -213,7 +213,7 @@ def test_largest_batch_at_high_memory_utilization_does_not_run_out(tmp_path):
     """KV sizing counts the sampler's peak at max_num_seqs rows, the per-slot state and
     the decode graphs' pool: a full batch of long prompts with every sampling feature on
     runs at gpu_memory_utilization=0.95 on a 150k-vocabulary model."""
-    from deepinfer.random_model import make_random_checkpoint
+    from deepinfer.testing.random_model import make_random_checkpoint
 
     path = make_random_checkpoint(str(tmp_path / "qwen3"), "qwen3-0.6b")
     # max_model_len 32768: the blocks 256 such sequences could use (~900 GB) are far more

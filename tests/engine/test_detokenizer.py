@@ -208,7 +208,7 @@ FFFD = "\ufffd"
 @pytest.fixture(scope="module")
 def bpe_tok():
     """The tiny byte-level BPE of the random-weights checkpoints (non-ASCII bytes unmerged)."""
-    from deepinfer.random_model import build_bpe_tokenizer
+    from deepinfer.testing.random_model import build_bpe_tokenizer
 
     return build_bpe_tokenizer()
 

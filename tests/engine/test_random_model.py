@@ -1,5 +1,5 @@
-"""Random-weight checkpoints (``deepinfer.random_model``): what GPU CI benchmarks run on
-where no weights can be downloaded. A checkpoint with a real tokenizer (SmolLM2's, read
+"""Random-weight checkpoints (``deepinfer.testing.random_model``): what GPU CI benchmarks
+run on where no weights can be downloaded. A checkpoint with a real tokenizer (SmolLM2's, read
 from the default GGUF) loads in the engine and serves a constrained request."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.random_model import PRESETS, main, make_random_checkpoint
+from deepinfer.testing.random_model import PRESETS, main, make_random_checkpoint
 from deepinfer.tokenizer import load_tokenizer
 
 

@@ -151,7 +151,7 @@ def test_gguf_user_defined_tokens_stay_whole_as_in_transformers(smollm2_path, tm
 def test_a_chat_template_that_refuses_messages_is_a_value_error():
     """Templates raise on messages they do not take (Mistral's "roles must alternate"):
     that request's ValueError, so one such line of a batch fails alone."""
-    from deepinfer.random_model import build_bpe_tokenizer
+    from deepinfer.testing.random_model import build_bpe_tokenizer
     from deepinfer.tokenizer import apply_chat_template
 
     tok = build_bpe_tokenizer()

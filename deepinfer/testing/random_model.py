@@ -4,7 +4,7 @@ For benchmarks at realistic sizes on machines that cannot fetch weights, and for
 ``make_random_checkpoint`` writes config.json + safetensors + a real byte-level BPE
 tokenizer (trained on a few sentences) that ``LLM(path)`` loads like any HF folder.
 
-    python -m deepinfer.random_model --preset qwen3-0.6b --out /tmp/qwen3-random
+    python -m deepinfer.testing.random_model --preset qwen3-0.6b --out /tmp/qwen3-random
 """
 
 from __future__ import annotations
