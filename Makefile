@@ -29,7 +29,7 @@ test: lint
 	$(PYTEST) -q tests benchmarks
 
 lint: $(STAMP)
-	$(PY) -m ruff check kernels scheduler deepinfer tests benchmarks
+	$(PY) -m ruff check kernels scheduler deepinfer tools tests benchmarks
 	$(VENV)/bin/lint-imports
 
 # A fresh output each time: the script resumes (skips ids already written) otherwise.
@@ -38,7 +38,8 @@ generate: $(STAMP)
 	$(VENV)/bin/deepinfer-generate --input examples/prompts.jsonl --output out/generations.jsonl --chat --show
 
 # Every kernel configuration AOT-compiled for sm_80 and sm_90 (no GPU needed): compile
-# errors, shared memory, register spills. `make test` compiles a subset.
+# errors, shared memory, register spills. `make test` compiles a subset. The tooling lives
+# in tools/deepinfer_compile_grid (not installed; the tests' conftest puts tools/ on sys.path).
 compile-check: $(STAMP)
 	DEEPINFER_COMPILE_FULL=1 $(PYTEST) -q tests/kernels/test_compile.py
 

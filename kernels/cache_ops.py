@@ -87,7 +87,7 @@ def clone_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
 def clone_blocks_launches(kv_cache: torch.Tensor, pairs: torch.Tensor, target: Target
                           ) -> list[Launch]:
     """The launch of ``clone_blocks`` for validated, non-empty arguments (a pure function of
-    shapes, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    shapes, dtypes and ``target``; ``deepinfer_compile_grid.check`` (tools/) plans with it too)."""
     num_layers, _, num_blocks = kv_cache.shape[:3]
     block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
     words = int_view(kv_cache, block_bytes)
@@ -115,7 +115,7 @@ def state_launches(states: Sequence[torch.Tensor], idx: torch.Tensor, zero: bool
                    target: Target) -> list[Launch]:
     """The launches of ``zero_states`` (``zero``, idx ``[M]``) or ``clone_states`` (idx
     ``[P, 2]``) for validated arguments: one per non-empty state tensor (a pure function of
-    shapes, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    shapes, dtypes and ``target``; ``deepinfer_compile_grid.check`` (tools/) plans with it too)."""
     launches = []
     for t in states:
         if t.numel() == 0:

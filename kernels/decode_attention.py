@@ -198,7 +198,7 @@ def decode_launches(
 
     A pure function of shapes, strides, dtypes, the host hints and ``target`` (the split
     buffers are allocated on q's device, so meta tensors plan without any GPU), shared by
-    the op and by ``kernels.compile_check``.
+    the op and by ``deepinfer_compile_grid.check`` (tools/).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

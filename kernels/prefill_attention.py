@@ -177,7 +177,7 @@ def prefill_launches(
     """The launch of ``paged_prefill_attention`` for validated, non-empty arguments.
 
     A pure function of shapes, strides, dtypes, ``max_q`` (the grid's query bound) and
-    ``target``, shared by the op and by ``kernels.compile_check``.
+    ``target``, shared by the op and by ``deepinfer_compile_grid.check`` (tools/).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     d_pad = pad_dim(head_dim)

@@ -81,8 +81,9 @@ class Target:
     """Everything a launch configuration depends on besides shapes, strides and dtypes.
 
     The launchers take it explicitly (instead of asking the device) so that the same choice
-    code can be run for a GPU that is not there: ``kernels.compile_check`` plans launches
-    for sm_80/sm_90 on a CPU machine and compiles exactly what the engine would run.
+    code can be run for a GPU that is not there: ``deepinfer_compile_grid.check`` (tools/)
+    plans launches for sm_80/sm_90 on a CPU machine and compiles exactly what the engine
+    would run.
     """
 
     capability: tuple[int, int]  # (0, 0) off-GPU

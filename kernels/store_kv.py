@@ -90,7 +90,8 @@ def store_kv_launches(
     target: Target,
 ) -> list[Launch]:
     """The launch of ``store_kv`` for validated, non-empty arguments (a pure function of
-    shapes, strides, dtypes and ``target``; ``kernels.compile_check`` plans with it too)."""
+    shapes, strides, dtypes and ``target``; ``deepinfer_compile_grid.check`` (tools/) plans
+    with it too)."""
     num_tokens, num_heads, head_dim = k.shape
     block_hd = next_pow2(num_heads * head_dim)
     # ~4K elements per program on GPU; the interpreter prefers fewer, larger programs.

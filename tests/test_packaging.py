@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("deepinfer", "kernels", "scheduler")
+TOOLS = "tools"  # lab tooling (the kernels' compile grid): in the checkout, never installed
 
 
 def _setuptools_config() -> dict:
@@ -85,7 +86,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     """The wheel built from a copy of the sources (a build in the checkout would leave
     build/ and egg-info behind while other tests run)."""
     src = tmp_path_factory.mktemp("src")
-    for folder in FOLDERS:
+    # tools/ is copied too: the wheel is built from a tree that has it, as the checkout does.
+    for folder in (*FOLDERS, TOOLS):
         shutil.copytree(ROOT / folder, src / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     for name in ("pyproject.toml", "README.md"):
@@ -109,6 +111,16 @@ def test_wheel_holds_every_module_under_its_import_name(wheel):
     assert "deepinfer_kernels/csrc/paged_decode_cpu.c" in names
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"deepinfer", "deepinfer_kernels", "deepinfer_scheduler"}
+
+
+def test_wheel_ships_no_compile_tooling(wheel):
+    """The ahead-of-time compile grid (tools/deepinfer_compile_grid) stays out of the wheel,
+    under its own name and under the kernel package's old module names."""
+    tooling = [n for n in wheel.namelist()
+               if "compile_grid" in n or n.startswith("tools/")
+               or n.startswith(("deepinfer_kernels/compile_", "kernels/compile_"))]
+    assert not tooling, tooling
+    assert (ROOT / TOOLS / "deepinfer_compile_grid" / "check.py").is_file()
 
 
 def test_wheel_requires_no_transformers_upper_bound(wheel):

@@ -3,7 +3,8 @@
 The interpreter tests check numerics; these check what only the compiler sees: compile
 errors, shared memory over the target's limit, register spills, and 16-bit attention (and
 the MoE grouped GEMM) falling off the tensor cores. Launches are planned by the ops' own
-``*_launches`` functions (see ``kernels.compile_check``), so a launcher change is covered.
+``*_launches`` functions (see ``deepinfer_compile_grid.check``, in tools/: the conftest puts
+it on sys.path), so a launcher change is covered.
 
 ``make test`` compiles a representative subset (about a minute on 2 cores with a cold
 Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
@@ -24,9 +25,9 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from deepinfer_kernels import compile_cases as cc_cases  # noqa: E402
-from deepinfer_kernels import compile_check as cc  # noqa: E402
-from deepinfer_kernels import compile_report as cr  # noqa: E402
+from deepinfer_compile_grid import cases as cc_cases  # noqa: E402
+from deepinfer_compile_grid import check as cc  # noqa: E402
+from deepinfer_compile_grid import report as cr  # noqa: E402
 
 QUICK = cc_cases.quick_cases()
 FULL_ENABLED = os.environ.get("DEEPINFER_COMPILE_FULL", "") not in ("", "0")
@@ -198,9 +199,9 @@ def test_full_grid() -> None:
 
 
 def test_summary_table_folds_the_grid(quick_results) -> None:
-    """``compile_report`` gives one row per (kernel, dtype class, config) with the register
-    range over its cases for each run; a spill where the engine serves the dtype is bold
-    and named below the table, fp32 on sm_80 is not."""
+    """``deepinfer_compile_grid.report`` gives one row per (kernel, dtype class, config)
+    with the register range over its cases for each run; a spill where the engine serves
+    the dtype is bold and named below the table, fp32 on sm_80 is not."""
     run = cr.CompileRun(triton.__version__, QUICK, quick_results)
     by_id = {c.id: c for c in QUICK}
     table = cr.summary_table([run])

@@ -74,7 +74,7 @@ def test_decode_choose_num_splits():
     assert choose_num_splits(64, 8, 4096, 64, cpu) == 1  # grid already covers the "SMs"
     assert choose_num_splits(1, 1, 32768, 64, cpu) > 1
     assert choose_num_splits(1, 1, 64, 64, cpu) == 1  # too short to be worth splitting
-    # An H100's 132 SMs given as a count (what kernels.compile_check plans with).
+    # An H100's 132 SMs given as a count (what deepinfer_compile_grid.check plans with).
     assert choose_num_splits(1, 8, 32768, 64, 132) == 33
     assert choose_num_splits(256, 8, 4096, 64, 132) == 1
     if DEVICE.type == "cuda":

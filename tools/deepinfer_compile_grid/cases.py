@@ -2,7 +2,7 @@
 the engine makes on them (``Case``: op, dtype, head_dim, GQA, block size, variant), one
 compiled kernel's result (``KernelResult``: registers, spills, shared memory, tensor cores,
 and why it fails the check), and ``plan``: a case's launches through the ops' own
-``*_launches`` planners on meta tensors (no GPU, no data). ``kernels.compile_check``
+``*_launches`` planners on meta tensors (no GPU, no data). ``deepinfer_compile_grid.check``
 compiles them.
 """
 
@@ -143,7 +143,7 @@ MOE_SHAPES = {
     "qwen3": (128, 8, 2048, 768),  # Qwen3-30B-A3B
     "mixtral": (8, 2, 4096, 14336),  # Mixtral-8x7B
 }
-# Token counts that reach each BLOCK_M bucket of kernels.moe_gemm.moe_block_m
+# Token counts that reach each BLOCK_M bucket of deepinfer_kernels.moe_gemm.moe_block_m
 # (16 / 32 / 64 / 128: decode, small, medium, prefill).
 MOE_TOKENS = {"qwen3": (1, 512, 1024, 4096), "mixtral": (1, 128, 256, 4096)}
 

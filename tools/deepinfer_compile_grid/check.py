@@ -1,7 +1,7 @@
 """Ahead-of-time compile check: every kernel configuration the engine launches, compiled
 for sm_80 and sm_90 without a GPU, with its registers, spills and shared memory.
 
-The interpreter checks numerics only. ``kernels.compile_cases`` plans launches with the
+The interpreter checks numerics only. ``deepinfer_compile_grid.cases`` plans launches with the
 ops' own ``*_launches`` functions (meta tensors, a ``Target`` standing for an A100 or an
 H100/H200), so a launcher change is covered; this module compiles each one with
 ``triton.compile`` through the JIT's own argument specialization
@@ -12,11 +12,12 @@ H100/H200), so a launcher change is covered; this module compiles each one with
 Spills are read as the ptxas stack frame (``STACK``) plus ``LOCAL``: these kernels have no
 local arrays and no calls, so any stack is spilled registers.
 
-Run ``python -m deepinfer_kernels.compile_check [--full] [--json PATH]`` for the table (it
-re-executes
-itself with ``TRITON_INTERPRET=0`` when needed: compiling needs the real ``JITFunction``s,
-which ``kernels`` replaces with interpreter wrappers on a CPU machine).
-tests/kernels/test_compile.py drives it. Works with Triton 3.6 (the GPU image) and 3.9.
+Run ``PYTHONPATH=tools python -m deepinfer_compile_grid.check [--full] [--json PATH]``
+from the checkout for the table (this package lives in tools/, outside the wheel). It
+re-executes itself with ``TRITON_INTERPRET=0`` when needed: compiling needs the real
+``JITFunction``s, which ``deepinfer_kernels`` replaces with interpreter wrappers on a CPU
+machine. tests/kernels/test_compile.py drives it. Works with Triton 3.6 (the GPU image)
+and 3.9.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer_kernels.compile_cases import (
+from deepinfer_compile_grid.cases import (
     ARCHS,
     Arch,
     Case,
@@ -46,6 +47,17 @@ from deepinfer_kernels.compile_cases import (
     quick_cases,
 )
 from deepinfer_kernels.runtime import Launch
+
+# The folder holding this package. It is not installed (the wheel ships the runtime
+# kernels only), so the child interpreters below are pointed at it.
+TOOLS_DIR = Path(__file__).resolve().parents[1]
+
+
+def compiler_env() -> dict[str, str]:
+    """This process's environment for a child ``python -m deepinfer_compile_grid.check``:
+    the compiler's JIT (``TRITON_INTERPRET=0``) and tools/ first on ``PYTHONPATH``."""
+    paths = [str(TOOLS_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(paths))
 
 # --- compiling ---------------------------------------------------------------------------
 
@@ -181,18 +193,16 @@ def results_from_subprocess(cases: Sequence[Case], jobs: int = 2, timeout: float
                             python: str = sys.executable) -> list[KernelResult]:
     """Run the check in a fresh interpreter with ``TRITON_INTERPRET=0`` (the way tests call
     it: their process runs the kernels through the interpreter)."""
-    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "cases.json"
         out = Path(tmp) / "results.json"
         spec.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
-        env = dict(os.environ, TRITON_INTERPRET="0")
         proc = subprocess.run(
-            [python, "-m", "deepinfer_kernels.compile_check", "--cases", str(spec),
+            [python, "-m", "deepinfer_compile_grid.check", "--cases", str(spec),
              "--json", str(out), "--jobs", str(jobs), "--quiet"],
-            env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+            env=compiler_env(), cwd=TOOLS_DIR, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
-            raise RuntimeError(f"deepinfer_kernels.compile_check failed (rc {proc.returncode}):\n"
+            raise RuntimeError(f"deepinfer_compile_grid.check failed (rc {proc.returncode}):\n"
                                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return [KernelResult(**r) for r in json.loads(out.read_text())["results"]]
 
@@ -260,11 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not _jit_is_real():
-        # kernels was imported in interpreter mode (no GPU and TRITON_INTERPRET unset):
+        # deepinfer_kernels was imported in interpreter mode (no GPU and TRITON_INTERPRET unset):
         # start over with the compiler's JIT.
-        env = dict(os.environ, TRITON_INTERPRET="0")
-        cmd = [sys.executable, "-m", "deepinfer_kernels.compile_check", *(argv or sys.argv[1:])]
-        return subprocess.run(cmd, env=env).returncode
+        cmd = [sys.executable, "-m", "deepinfer_compile_grid.check", *(argv or sys.argv[1:])]
+        return subprocess.run(cmd, env=compiler_env()).returncode
 
     if args.cases:
         cases = [Case(**c) for c in json.loads(Path(args.cases).read_text())]

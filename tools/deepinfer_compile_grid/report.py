@@ -1,13 +1,14 @@
-"""The compile grid as one table per kernel tile: ``deepinfer_kernels.compile_check``'s JSON,
+"""The compile grid as one table per kernel tile: ``deepinfer_compile_grid.check``'s JSON,
 from one or more Triton versions, folded into a row per (kernel, dtype class, configuration).
 
-``compile_check --markdown`` lists every compiled kernel (over a thousand rows for the full
-grid); this is the table to read or commit: each row gives, for every Triton version and
-target, the register range over the shapes that configuration serves, the worst spill and
-the largest shared-memory footprint.
+``check --markdown`` lists every compiled kernel (over a thousand rows for the full grid);
+this is the table to read or commit: each row gives, for every Triton version and target,
+the register range over the shapes that configuration serves, the worst spill and the
+largest shared-memory footprint.
 
-    python -m deepinfer_kernels.compile_check --full --json full-3.9.json     # per Triton version
-    python -m deepinfer_kernels.compile_report full-3.9.json full-3.6.json --out compile-table.md
+    export PYTHONPATH=tools   # from the checkout: this package is not installed
+    python -m deepinfer_compile_grid.check --full --json full-3.9.json     # per Triton version
+    python -m deepinfer_compile_grid.report full-3.9.json full-3.6.json --out compile-table.md
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepinfer_kernels.compile_cases import ARCHS, Case, KernelResult
+from deepinfer_compile_grid.cases import ARCHS, Case, KernelResult
 
 
 @dataclass
 class CompileRun:
-    """One ``compile_check --json`` file: the grid compiled under one Triton version."""
+    """One ``check --json`` file: the grid compiled under one Triton version."""
 
     triton: str
     cases: list[Case]
@@ -37,7 +38,7 @@ class CompileRun:
         data = json.loads(Path(path).read_text())
         if "triton" not in data:
             raise ValueError(f"{path}: no 'triton' field: write it with "
-                             "`python -m deepinfer_kernels.compile_check --json`")
+                             "`python -m deepinfer_compile_grid.check --json`")
         return cls(data["triton"], [Case(**c) for c in data["cases"]],
                    [KernelResult(**r) for r in data["results"]], data.get("seconds", 0.0))
 
@@ -83,7 +84,7 @@ def summary_table(runs: Sequence[CompileRun]) -> str:
     (``Case.must_not_spill``) is marked **bold**; fp32 on sm_80 is compiled and reported
     only."""
     if not runs:
-        raise ValueError("runs: no compile_check results to summarize")
+        raise ValueError("runs: no compile check results to summarize")
     archs = [a for a in ARCHS if any(c.arch == a for run in runs for c in run.cases)]
     cells: dict[tuple[str, str, str], dict[tuple[int, str], _Cell]] = {}
     ncases: dict[tuple[str, str, str], set[str]] = {}
@@ -155,7 +156,7 @@ def summary_table(runs: Sequence[CompileRun]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("json", nargs="+", help="compile_check --json files, one per "
+    parser.add_argument("json", nargs="+", help="check --json files, one per "
                                                 "Triton version")
     parser.add_argument("--out", help="write the table here (default: stdout)")
     args = parser.parse_args(argv)
@@ -167,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         head = [f"# Compile grid: every kernel configuration for sm_90 and sm_80, "
                 f"Triton {' and '.join(r.triton for r in runs)}", "",
                 "Compiled ahead of time without a GPU (`python -m "
-                "deepinfer_kernels.compile_check --full --json F`, then `python -m "
-                f"deepinfer_kernels.compile_report F...`), commit "
+                "deepinfer_compile_grid.check --full --json F`, then `python -m "
+                f"deepinfer_compile_grid.report F...`), commit "
                 f"`{commit}`, {datetime.date.today().isoformat()}.", ""]
         Path(args.out).write_text("\n".join(head) + "\n" + table + "\n")
     else:
