@@ -15,6 +15,7 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer.kv_cache_spec import KVCacheSpec
 from deepinfer.loading.loader import load_model, resolve_model_path
 from deepinfer.model_runner import ModelRunner
+from deepinfer.models.backend import KernelBackend
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer.step_channel import StepChannel
 
@@ -31,8 +32,9 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_backend(name: str, device: torch.device) -> ModuleType:
-    """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets.
+def resolve_backend(name: str, device: torch.device) -> KernelBackend:
+    """``auto``: Triton on CUDA, torch on CPU; ``triton`` on CPU interprets. Each choice is
+    a module of ``deepinfer_kernels`` that provides the declared ops (``KernelBackend``).
 
     ``torch`` runs ``deepinfer_kernels.cpu_backend`` on the CPU (the reference's
     signatures, made fast there: decode attention in C) and the plain reference on a GPU."""
@@ -69,7 +71,7 @@ class Worker:
     """What ``build_worker`` made: the model, its config, and the runner over it."""
 
     device: torch.device
-    backend: ModuleType
+    backend: KernelBackend
     model_path: str
     model: nn.Module
     config: ModelConfig
@@ -123,7 +125,8 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     dtype = next(model.parameters()).dtype
     # Only the Triton ops are graph-safe: the torch reference's ops sync the host
     # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
-    graphs = capture_graphs and not args.enforce_eager and backend.__name__ == "deepinfer_kernels"
+    triton = isinstance(backend, ModuleType) and backend.__name__ == "deepinfer_kernels"
+    graphs = capture_graphs and not args.enforce_eager and triton
     runner = ModelRunner(
         model, cfg, device=device, dtype=dtype, backend=backend, spec=spec,
         capture_graphs=graphs, tp=group,

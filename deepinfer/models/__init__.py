@@ -1,10 +1,12 @@
-"""Model registry: HF architecture name -> decoder class."""
+"""Model registry: HF architecture name -> decoder class; the kernel ops the models call
+are declared in ``deepinfer.models.backend``."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from deepinfer.hf_config import SUPPORTED_ARCHITECTURES, check_architecture
+from deepinfer.models.backend import KernelBackend, ModelBackend
 from deepinfer.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM
@@ -17,4 +19,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return _REGISTRY[architecture]
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["KernelBackend", "LlamaForCausalLM", "ModelBackend", "get_model_class"]

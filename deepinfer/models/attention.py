@@ -1,17 +1,19 @@
 """Per-step attention metadata and the layer that routes attention to the kernel backend.
 
-The backend is any object with ``store_kv``, ``paged_prefill_attention`` and
-``paged_decode_attention`` (``kernels.reference`` on CPU, ``kernels`` with Triton): the
-model never imports a backend itself, so the same weights run on both.
+The backend is any ``ModelBackend`` (``deepinfer.models.backend``: ``store_kv``,
+``paged_prefill_attention``, ``paged_decode_attention`` here), e.g.
+``deepinfer_kernels.cpu_backend`` on CPU or ``deepinfer_kernels`` with Triton: the model
+never imports a backend itself, so the same weights run on each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+
+from deepinfer.models.backend import ModelBackend
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: Any) -> torch.Tensor:
+                meta: AttentionMetadata, backend: ModelBackend) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``; caches ``[NB, BS, Hkv, D]`` -> ``[T, Hq, D]``.
 
         For a decode step ``T == B`` (one new token per sequence). The decoder passes

@@ -1,7 +1,7 @@
 """Building blocks of the decoder: RMSNorm, the rotary embedding's cos/sin cache, the gated
 (SwiGLU) MLP (Linear and Embedding without random init live in ``parallel_layers``).
 
-The torch versions of their ops (``kernels.reference``, the CPU backend) reproduce the
+The torch versions of their ops (``deepinfer_kernels.reference``, the CPU backend) reproduce the
 Hugging Face ops bit-for-bit in the same dtype (same order of float operations), so fp32
 logits match transformers to rounding; the Triton backend fuses them (norm with the
 residual add, q/k norm with RoPE) within the kernels' tolerances.
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.models.backend import ModelBackend
 from deepinfer.models.parallel_layers import Linear, row_parallel_linear
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer_kernels import reference
@@ -46,7 +47,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(intermediate_size, hidden_size, tp=tp)
 
-    def forward(self, x: torch.Tensor, backend: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: ModelBackend | None = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; ``backend``: the kernel provider whose
         ``silu_and_mul`` runs (None: the torch reference's)."""
         act = (backend or reference).silu_and_mul

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.models.attention import Attention, AttentionMetadata
+from deepinfer.models.backend import ModelBackend
 from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from deepinfer.models.moe import (
     SparseMoeBlock,
@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: Any) -> torch.Tensor:
+                backend: ModelBackend) -> torch.Tensor:
         """x ``[T, hidden]``; rope ``(cos_sin_cache [max_positions, D], positions [T]
         int64)``; layer_cache ``[2, NB, BS, Hkv, D]`` -> ``[T, hidden]``."""
         t = x.shape[0]
@@ -122,7 +122,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata,
+                backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]``: the previous block's output (the embeddings for the first
         layer, with ``residual`` None), residual ``[T, hidden]``: the stream before it.
         Returns ``(mlp output, residual)``; the stream after this layer is their sum."""
@@ -181,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: Any) -> torch.Tensor:
+                backend: ModelBackend) -> torch.Tensor:
         """One step over ``T`` packed tokens.
 
         Args:
@@ -190,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
                 in the model dtype; this step's K/V are written into it.
             meta: the step's :class:`AttentionMetadata`.
-            backend: kernel provider (``kernels.reference`` or ``kernels``).
+            backend: the kernel ops (a ``ModelBackend``: ``deepinfer_kernels``,
+                its ``cpu_backend`` or its torch ``reference``).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states, model dtype.

@@ -17,12 +17,12 @@ transformers 5 holds them in memory); :func:`load_expert_tensor` copies either i
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
+from deepinfer.models.backend import ModelBackend
 from deepinfer.models.layers import GatedMLP
 from deepinfer.models.parallel_layers import Linear
 from deepinfer.models.tensor_parallel import (
@@ -72,7 +72,7 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def forward(self, x: torch.Tensor, backend: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: ModelBackend) -> torch.Tensor:
         """x ``[T, hidden]`` (model dtype, contiguous) -> ``[T, hidden]`` same dtype."""
         weights, ids = backend.moe_route(self.gate(x), self.top_k, self.renormalize)
         out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
