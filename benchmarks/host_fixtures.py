@@ -21,8 +21,8 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
 
 
 def make_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
-    """config.json + model.safetensors + the BPE tokenizer of random_model, for the tiny
-    Llama. The tensors are written directly under their HF names (building the HF model
+    """config.json + model.safetensors + the BPE tokenizer of deepinfer.testing.random_model, for
+    the tiny Llama. The tensors are written directly under their HF names (building the HF model
     first only costs start-up)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
