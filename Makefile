@@ -43,9 +43,10 @@ generate: $(STAMP)
 compile-check: $(STAMP)
 	DEEPINFER_COMPILE_FULL=1 $(PYTEST) -q tests/kernels/test_compile.py
 
-# Mutation testing (mutmut, the `mutate` extra) over scheduler/ and deepinfer/sampler.py
-# with their unit tests: score per target and every surviving mutant's diff
-# (mutants/survivors.txt). Not part of `make test`: it takes tens of minutes.
+# Mutation testing (mutmut, the `mutate` extra) over scheduler/ and
+# deepinfer/sampling/sampler.py with their unit tests: score per target and every
+# surviving mutant's diff (mutants/survivors.txt). Not part of `make test`: it takes
+# tens of minutes.
 # MUTATE_JOBS=N: parallel mutants (default: all cores).
 mutate: $(STAMP)
 	$(PIP) install -q -e ".[dev,mutate]"

@@ -12,7 +12,7 @@ Public API::
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",

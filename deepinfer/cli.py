@@ -26,7 +26,7 @@ from deepinfer.jobs.one_engine import run_one_engine
 from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 
 # Exit status after Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted).
 EXIT_INTERRUPTED = 130

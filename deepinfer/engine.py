@@ -20,15 +20,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
-from deepinfer.model_runner import StepSampling
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import RequestState, SampleState, SequenceExport, fit_to_model_len
-from deepinfer.sampled_tokens import SampledTokens
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.sampled_tokens import SampledTokens
+from deepinfer.sampling.step_sampling import StepSampling
 from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
 from deepinfer.worker import TensorParallel, build_worker
@@ -308,42 +306,18 @@ class LLMEngine:
                 self._watched.pop(st.seq.seq_id, None)
 
     def _step_sampling(self, out) -> StepSampling | None:
-        """Start the samples that got a slot this step; the penalty state of new ones."""
-        sampling = None
-        if out.zero_states.numel():
-            sampling = self._record_new_sequences(out)
-        if out.clone_states.numel():
-            children = set(out.clone_states[:, 1].tolist())
-            for seq in out.sample_seqs:
-                if seq.slot in children:
-                    self._start_sample(self.requests[seq.request_id], seq)
-        return sampling
-
-    def _record_new_sequences(self, out) -> StepSampling:
-        """Sequences whose slot is zeroed this step (new or recomputed): their sampling
-        row, and their tokens for the penalty state."""
-        fresh = set(out.zero_states.tolist())
-        p_tok: list[int] = []
-        p_slot: list[int] = []
-        o_tok: list[int] = []
-        o_slot: list[int] = []
-        for seq, slot in zip(out.seqs, out.batch.state_slots.tolist()):
-            if slot not in fresh:
-                continue
-            fresh.discard(slot)  # a chunked prompt is recorded at its first chunk only
+        """Start the samples that got a slot this step (admitted: new or recomputed, or
+        forked); the tokens of the admitted ones for their penalty state."""
+        penalised: list[Sequence] = []
+        for seq in out.admitted:
             req = self.requests[seq.request_id]
             self._start_sample(req, seq)
-            if not req.params.uses_penalties:
-                continue  # its counts are never read (a fork copies its parent's params)
-            p_tok += seq.prompt_token_ids
-            p_slot += [slot] * len(seq.prompt_token_ids)
-            o_tok += seq.output_token_ids
-            o_slot += [slot] * len(seq.output_token_ids)
-        return StepSampling(
-            prompt_tokens=torch.tensor(p_tok, dtype=torch.int64),
-            prompt_slots=torch.tensor(p_slot, dtype=torch.int64),
-            output_tokens=torch.tensor(o_tok, dtype=torch.int64),
-            output_slots=torch.tensor(o_slot, dtype=torch.int64))
+            # Else its counts are never read (a fork copies its parent's params).
+            if req.params.uses_penalties:
+                penalised.append(seq)
+        for seq in out.forked:
+            self._start_sample(self.requests[seq.request_id], seq)
+        return StepSampling.of(penalised) if out.admitted else None
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and wait for it; returns the requests that finished."""

@@ -13,7 +13,7 @@ from deepinfer.jobs.progress import RunProgress
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
 
 Prompt = str | list[int]

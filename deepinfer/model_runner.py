@@ -13,7 +13,6 @@ decode attention), computes logits for ``logits_indices`` only, and samples.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -24,25 +23,13 @@ from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
-from deepinfer.sampled_tokens import SampledTokens
-from deepinfer.sampler import Sampler, SamplingTensors
-from deepinfer.sampling_params import SamplingParams
-from deepinfer.sampling_table import NO_SEED, SamplingTable
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.sampled_tokens import SampledTokens
+from deepinfer.sampling.sampler import Sampler, SamplingTensors
+from deepinfer.sampling.step_sampling import StepSampling
+from deepinfer.sampling.table import NO_SEED, SamplingTable
 from deepinfer.step_channel import FollowerStep, StepChannel
 from deepinfer.structured.bitmask import BitmaskStaging, TokenMask, apply_token_mask
-
-
-@dataclass
-class StepSampling:
-    """Penalty state of the sequences admitted this step (their slot was just zeroed):
-    the whole prompt (prefix-cache hits included) and, after a preemption, the outputs
-    generated before it. Host int64 tensors of equal length per pair; None when no
-    sequence was admitted. (Sampling parameters live in ``ModelRunner.sampling_table``.)"""
-
-    prompt_tokens: torch.Tensor | None = None
-    prompt_slots: torch.Tensor | None = None
-    output_tokens: torch.Tensor | None = None
-    output_slots: torch.Tensor | None = None
 
 
 class ModelRunner:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer_scheduler import Sequence
 
 

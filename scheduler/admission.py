@@ -25,9 +25,11 @@ from deepinfer_scheduler.util import cdiv
 class Admission:
     """Packs prompt steps and forks completed groups. Guarded by the scheduler's lock.
 
-    zero_states   list[int]  this step's newly admitted slots (their state is zeroed)
-    clone_states  list[int]  this step's forks, flat ``parent slot, child slot, ...``
-    (the scheduler clears both at the start of every ``schedule()``)
+    zero_states   list[int]       this step's newly admitted slots (their state is zeroed)
+    clone_states  list[int]       this step's forks, flat ``parent slot, child slot, ...``
+    admitted      list[Sequence]  the sequences of ``zero_states``, same order
+    forked        list[Sequence]  the children of ``clone_states``, same order
+    (``new_step()`` clears all four at the start of every ``schedule()``)
     """
 
     def __init__(self, config: SchedulerConfig, states: StateManager, kv: KVCache,
@@ -38,6 +40,15 @@ class Admission:
         self._registry = registry
         self.zero_states: list[int] = []
         self.clone_states: list[int] = []
+        self.admitted: list[Sequence] = []
+        self.forked: list[Sequence] = []
+
+    def new_step(self) -> None:
+        """Clear the step's lists (the previous outputs consumed or copied them)."""
+        self.zero_states.clear()
+        self.clone_states.clear()
+        self.admitted.clear()
+        self.forked.clear()
 
     def pack(self, waiting: Iterable[Sequence],
              stats: SchedulerStats) -> list[tuple[Sequence, int, int]]:
@@ -103,6 +114,7 @@ class Admission:
             seq.admitted = True
             seq.num_cached_tokens = start
         self.zero_states.append(seq.slot)
+        self.admitted.append(seq)
         return start, len(hits)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
@@ -116,6 +128,7 @@ class Admission:
             self._states.bind_fork(child, slot, ps)
             self._kv.share(ps, slot)
             self.clone_states += (ps, slot)
+            self.forked.append(child)
             self._registry.add(child)
             children.append(child)
         parent.num_forks = 0

@@ -46,6 +46,11 @@ class SchedulerOutputs:
     clone_blocks       int64 [N, 2] (src, dst) KV blocks to copy before the forward
     zero_states        int64 [M] state slots of newly admitted sequences
     clone_states       int64 [P, 2] (parent slot, child slot) of sequences forked now
+    admitted           the sequences whose slot ``zero_states`` zeroes (new or recomputed,
+                       at their first chunk), in that order; ``()`` when none
+    forked             the children ``clone_states`` copies into, in that order; ``()``
+                       when none. Both are the step's own (not borrowed), so the engine
+                       starts their samples without reading the launch tensors back
     batch              LaunchBatch (see ``scheduler.batch``)
     slots              int64 [B] state slots of ``seqs`` (for ``update()``)
     owners             int64 [B] seq id holding each of ``slots`` when the step was built:
@@ -64,6 +69,8 @@ class SchedulerOutputs:
     zero_states: torch.Tensor
     clone_states: torch.Tensor
     batch: LaunchBatch
+    admitted: tuple[Sequence, ...] = ()
+    forked: tuple[Sequence, ...] = ()
     # Bookkeeping for update().
     slots: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     owners: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
@@ -72,10 +79,12 @@ class SchedulerOutputs:
     @classmethod
     def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
               batch: LaunchBatch, slots: np.ndarray, *, clone_blocks: list[int],
-              zero_states: list[int], clone_states: list[int], owners: np.ndarray,
+              zero_states: list[int], clone_states: list[int],
+              admitted: list[Sequence], forked: list[Sequence], owners: np.ndarray,
               step: int) -> SchedulerOutputs:
         """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
-        ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors."""
+        ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors; ``admitted`` /
+        ``forked`` are copied into tuples (most steps have none: ``()``, no allocation)."""
         return cls(
             is_prompt=is_prompt, seqs=seqs, sample_seqs=sample_seqs,
             num_batched_tokens=batch.num_tokens, num_samples=len(sample_seqs),
@@ -83,7 +92,8 @@ class SchedulerOutputs:
             zero_states=(torch.tensor(zero_states, dtype=torch.int64) if zero_states
                          else _EMPTY),
             clone_states=_pairs(clone_states),
-            batch=batch, slots=slots, owners=owners, step=step,
+            batch=batch, admitted=tuple(admitted), forked=tuple(forked),
+            slots=slots, owners=owners, step=step,
         )
 
     @property

@@ -222,8 +222,7 @@ class Scheduler:
             # This step's copy lists (docs/scheduling.md, "State slots"). The previous
             # outputs borrowed them; they must have been consumed by now.
             self.kv_cache.clone_blocks.clear()
-            self._admission.zero_states.clear()
-            self._admission.clone_states.clear()
+            self._admission.new_step()
             self._step += 1
             self._unapplied.append(self._step)
             out = choose_step(self.config, self.decode_step, self.voter,
@@ -430,11 +429,11 @@ class Scheduler:
     def _outputs(self, is_prompt: bool, seqs: list[Sequence],
                  sample_seqs: list[Sequence], batch: LaunchBatch,
                  slots: np.ndarray) -> SchedulerOutputs:
+        adm = self._admission
         return SchedulerOutputs.build(
             is_prompt, seqs, sample_seqs, batch, slots,
-            clone_blocks=self.kv_cache.clone_blocks,
-            zero_states=self._admission.zero_states,
-            clone_states=self._admission.clone_states,
+            clone_blocks=self.kv_cache.clone_blocks, zero_states=adm.zero_states,
+            clone_states=adm.clone_states, admitted=adm.admitted, forked=adm.forked,
             owners=self.state_manager.owner[slots], step=self._step)
 
     def _empty(self, is_prompt: bool) -> SchedulerOutputs:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (`make mutate`): mutmut plants small bugs, one at a time, in scheduler/
-# and deepinfer/sampler.py and runs the unit tests that reach each mutated function; a
-# mutant no test catches ("survived") is a test gap or an equivalent change. Config:
-# [tool.mutmut] in pyproject.toml. Not part of `make test`: minutes, not seconds.
+# and deepinfer/sampling/sampler.py and runs the unit tests that reach each mutated
+# function; a mutant no test catches ("survived") is a test gap or an equivalent change.
+# Config: [tool.mutmut] in pyproject.toml. Not part of `make test`: minutes, not seconds.
 #
 #   scripts/mutate.sh                  # fresh run, then the score per target
 #   MUTATE_JOBS=8 scripts/mutate.sh    # parallel mutants (default: all cores)

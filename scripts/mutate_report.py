@@ -16,7 +16,7 @@ from pathlib import Path
 from mutmut.mutation.diff_apply import get_diff_for_mutant
 from mutmut.stats import status_by_exit_code
 
-TARGETS = {"scheduler/": "scheduler/", "deepinfer/sampler.py": "sampler"}
+TARGETS = {"scheduler/": "scheduler/", "deepinfer/sampling/sampler.py": "sampler"}
 DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
 UNDETECTED = {"survived", "no tests"}
 

@@ -37,7 +37,7 @@ from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.records import InputRecord, show_result, submit_records, write_record
 from deepinfer.jobs.resume import load_resume_state, pending_records
 from deepinfer.jobs.summary import RunSummary
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.worker import run_follower
 
 

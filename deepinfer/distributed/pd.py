@@ -45,7 +45,7 @@ from deepinfer.jobs.parts import part_path
 from deepinfer.jobs.records import NATIVE, write_record
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.request_state import fit_to_model_len
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.tokenizer import apply_chat_template
 
 # Status row layout (int64), see the module docstring.

@@ -20,7 +20,7 @@ from deepinfer.jobs.records import (
 )
 from deepinfer.jobs.resume import load_resume_state, pending_records
 from deepinfer.jobs.summary import RunSummary
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 
 
 def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,

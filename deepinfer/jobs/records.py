@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from tqdm.auto import tqdm
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))

@@ -14,7 +14,7 @@ from deepinfer.distributed.pd import PDOptions, PDRequest, assign_offers, parse_
 from deepinfer.distributed.pd_jobs import run_disaggregated
 from deepinfer.distributed.ranks import RankFailedError
 from deepinfer.engine_args import EngineArgs
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 from tests.engine.conftest import tiny_checkpoints  # noqa: F401  (the shared fixture)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

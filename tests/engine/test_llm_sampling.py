@@ -225,7 +225,7 @@ def test_seeded_sampling_follows_the_distribution():
     follow softmax(logits / T) like unseeded rows do."""
     import torch
 
-    from deepinfer.sampler import Sampler, SamplingTensors
+    from deepinfer.sampling.sampler import Sampler, SamplingTensors
 
     logits = torch.tensor([0.0, 1.0, 2.0, 0.5]).expand(4000, -1).clone()
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(4000)]

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from deepinfer.sampler import Sampler, SamplingTensors
-from deepinfer.sampling_params import SamplingParams as SP
+from deepinfer.sampling.params import SamplingParams as SP
+from deepinfer.sampling.sampler import Sampler, SamplingTensors
 
 V = 16
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from deepinfer.sampler import Sampler, SamplingTensors, argmax_rows
-from deepinfer.sampling_params import SamplingParams as SP
+from deepinfer.sampling.params import SamplingParams as SP
+from deepinfer.sampling.sampler import Sampler, SamplingTensors, argmax_rows
 
 V = 16
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 
 import deepinfer_kernels
-from deepinfer.sampler import Sampler, SamplingTensors
-from deepinfer.sampling_params import SamplingParams as SP
+from deepinfer.sampling.params import SamplingParams as SP
+from deepinfer.sampling.sampler import Sampler, SamplingTensors
 
 V = 300
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.sampler import Sampler, SamplingTensors
-from deepinfer.sampling_params import SamplingParams as SP
+from deepinfer.sampling.params import SamplingParams as SP
+from deepinfer.sampling.sampler import Sampler, SamplingTensors
 
 # Token id -> probability; by decreasing probability the ids are 3, 0, 4, then 1 and 2.
 PROBS = torch.tensor([0.25, 0.0625, 0.0625, 0.5, 0.125], dtype=torch.float64)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling.params import SamplingParams
 
 
 def test_defaults_are_vllm_like():

@@ -129,6 +129,25 @@ class FakeRunner:
         return self.rng.integers(0, self.vocab, n).tolist()
 
 
+def check_named_sequences(out: SchedulerOutputs) -> None:
+    """The sequences a step names agree with its launch tensors: ``admitted`` with
+    ``zero_states`` and ``forked`` with ``clone_states`` (children, and their parents'
+    slots), same order. Call right after ``schedule()``: an abort since frees slots."""
+    assert isinstance(out.admitted, tuple) and isinstance(out.forked, tuple)
+    assert [s.slot for s in out.admitted] == out.zero_states.tolist()
+    pairs = out.clone_states.tolist()
+    assert [s.slot for s in out.forked] == [c for _, c in pairs]
+    if not out.is_prompt:
+        assert not out.admitted and not out.forked, "decode steps admit and fork nothing"
+    batch = {s.seq_id for s in out.seqs}
+    assert all(s.seq_id in batch for s in out.admitted)
+    parents = {s.request_id: s for s in out.sample_seqs if s.sample_index == 0}
+    samples = {s.seq_id for s in out.sample_seqs}
+    for child, (p, _) in zip(out.forked, pairs):
+        assert child.sample_index > 0 and child.seq_id in samples
+        assert parents[child.request_id].slot == p
+
+
 def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
                       max_steps: int = 10_000, check: bool = True):
     """Drive schedule/execute/update until nothing is left; returns (finished, steps)."""
@@ -139,6 +158,7 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
         if not sched.has_unfinished():
             return finished, steps
         out = sched.schedule()
+        check_named_sequences(out)
         steps.append(out.is_prompt)
         toks = runner.execute(out)
         finished += sched.update(out, toks)
@@ -161,6 +181,7 @@ def run_overlapped(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_000
         nxt = None
         if more:
             out = sched.schedule()
+            check_named_sequences(out)
             steps.append(out.is_prompt)
             nxt = (out, runner.execute(out))
         if inflight is not None:
@@ -175,6 +196,7 @@ def checked_step(sched: Scheduler, runner: FakeRunner):
     """One schedule -> execute -> update, then the scheduler's invariants; returns
     ``(outputs, finished)``."""
     out = sched.schedule()
+    check_named_sequences(out)
     fin = sched.update(out, runner.execute(out))
     sched.check_invariants()
     return out, fin

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepinfer.sampling_params import GREEDY_EPS, SamplingParams
+from deepinfer.sampling.params import GREEDY_EPS, SamplingParams
 
 NO_SEED = -1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

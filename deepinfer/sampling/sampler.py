@@ -9,7 +9,7 @@ One ``Sampler.sample`` call turns the logits of every sample of a step into toke
 4. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then one
    uniform per row inverted through the row's cumulative distribution, an exact draw
    from ``p`` (the ops' ``sample_tokens``: one fused kernel on a GPU). Seeded rows take
-   their uniform from ``sampling_table.seeded_uniforms`` (host, counter-based), the
+   their uniform from ``table.seeded_uniforms`` (host, counter-based), the
    others from one batched ``torch.rand``.
 
 Everything is batched: no per-row launches, no host sync. Penalty state lives in
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer.sampling_params import SamplingParams
-from deepinfer.sampling_table import NO_SEED, SamplingRows, seeded_uniforms
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.table import NO_SEED, SamplingRows, seeded_uniforms
 from deepinfer_kernels import reference
 
 # Indices into the float rows of SamplingTensors.floats.
@@ -156,8 +156,8 @@ class Sampler:
     ``ops``: the kernel provider whose ``sample_tokens`` draws every sampled row (one
     fused kernel on a GPU): from the logits as they are when a row only scales by a
     temperature, after the torch filters when top-k/top-p/min-p are on; default
-    ``kernels.reference`` (torch). ``generator``: where the uniforms of rows without a
-    seed of their own come from (None: torch's global generator)."""
+    ``deepinfer_kernels.reference`` (torch). ``generator``: where the uniforms of rows
+    without a seed of their own come from (None: torch's global generator)."""
 
     def __init__(self, ops: Any = None, generator: torch.Generator | None = None) -> None:
         self.ops = reference if ops is None else ops
