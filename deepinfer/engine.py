@@ -312,7 +312,7 @@ class LLMEngine:
         for seq in out.admitted:
             req = self.requests[seq.request_id]
             self._start_sample(req, seq)
-            # Else its counts are never read (a fork copies its parent's params).
+            # Only a penalty reads the counts (a fork copies its parent's params).
             if req.params.uses_penalties:
                 penalised.append(seq)
         for seq in out.forked:

@@ -14,8 +14,9 @@ from deepinfer_scheduler import Sequence
 class StepSampling:
     """Penalty state of the sequences admitted this step (their slot was just zeroed):
     the whole prompt (prefix-cache hits included) and, after a preemption, the outputs
-    generated before it. Host int64 tensors of equal length per pair; None when no
-    sequence was admitted. (Sampling parameters live in ``ModelRunner.sampling_table``.)
+    generated before it. Host int64 tensors of equal length per pair (the engine passes
+    no ``StepSampling`` when no sequence was admitted). Sampling parameters live in
+    ``ModelRunner.sampling_table``.
 
     prompt_tokens / prompt_slots  int64 [P]  each prompt token and its sequence's slot
     output_tokens / output_slots  int64 [O]  each earlier output token and its slot
