@@ -13,7 +13,6 @@ decode attention), computes logits for ``logits_indices`` only, and samples.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
+from deepinfer.models.backend import KernelBackend
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampled_tokens import SampledTokens
@@ -53,7 +53,7 @@ class ModelRunner:
         *,
         device: torch.device,
         dtype: torch.dtype,
-        backend: ModuleType,
+        backend: KernelBackend,
         spec: KVCacheSpec,
         num_blocks: int | None = None,
         capture_graphs: bool = False,

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from deepinfer.models.backend import KernelBackend
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.table import NO_SEED, SamplingRows, seeded_uniforms
 from deepinfer_kernels import reference
@@ -159,7 +159,8 @@ class Sampler:
     ``deepinfer_kernels.reference`` (torch). ``generator``: where the uniforms of rows
     without a seed of their own come from (None: torch's global generator)."""
 
-    def __init__(self, ops: Any = None, generator: torch.Generator | None = None) -> None:
+    def __init__(self, ops: KernelBackend | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.ops = reference if ops is None else ops
         self.generator = generator
 
