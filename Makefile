@@ -45,8 +45,8 @@ compile-check: $(STAMP)
 
 # Mutation testing (mutmut, the `mutate` extra) over scheduler/ and
 # deepinfer/sampling/sampler.py with their unit tests: score per target and every
-# surviving mutant's diff (mutants/survivors.txt). Not part of `make test`: it takes
-# tens of minutes.
+# surviving mutant's diff (build/mutate/mutants/survivors.txt). Not part of `make test`:
+# it takes tens of minutes.
 # MUTATE_JOBS=N: parallel mutants (default: all cores).
 mutate: $(STAMP)
 	$(PIP) install -q -e ".[dev,mutate]"

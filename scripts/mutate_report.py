@@ -1,8 +1,9 @@
 """Summary of a mutmut run (scripts/mutate.sh): score per target, survivors with diffs.
 
-Run from the repo root after ``mutmut run``. Prints, for scheduler/ and the sampler, how
-many mutants were killed (a test failed or timed out), survived (every test passed) or
-had no test reaching them, and the score ``killed / (killed + survived + no tests)``.
+Run from scripts/mutate.sh's staging folder (build/mutate) after ``mutmut run``. Prints,
+for scheduler/ and the sampler, how many mutants were killed (a test failed or timed
+out), survived (every test passed) or had no test reaching them, and the score
+``killed / (killed + survived + no tests)``.
 Writes every survivor's diff to mutants/survivors.txt.
 """
 
@@ -16,7 +17,8 @@ from pathlib import Path
 from mutmut.mutation.diff_apply import get_diff_for_mutant
 from mutmut.stats import status_by_exit_code
 
-TARGETS = {"scheduler/": "scheduler/", "deepinfer/sampling/sampler.py": "sampler"}
+# Paths in scripts/mutate.sh's staging folder, where scheduler/ is deepinfer_scheduler/.
+TARGETS = {"deepinfer_scheduler/": "scheduler/", "deepinfer/sampling/sampler.py": "sampler"}
 DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
 UNDETECTED = {"survived", "no tests"}
 
@@ -30,7 +32,7 @@ def main() -> int:
     counts: dict[str, Counter[str]] = {name: Counter() for name in TARGETS.values()}
     survivors: list[tuple[str, Path, str]] = []
     for meta in metas:
-        src = meta.relative_to(root).with_suffix("")  # scheduler/x.py
+        src = meta.relative_to(root).with_suffix("")  # deepinfer_scheduler/x.py
         target = next((t for p, t in TARGETS.items() if str(src).startswith(p)), None)
         if target is None:
             continue
@@ -56,7 +58,8 @@ def main() -> int:
             f.write(f"# {name}: {status}\n")
             diff = get_diff_for_mutant(name, path=src).splitlines()
             f.write("\n".join(line for line in diff[2:] if line[:1] in "-+") + "\n\n")
-    print(f"{len(survivors)} survivors (diffs: {out}; `mutmut show NAME` for context)")
+    print(f"{len(survivors)} survivors (diffs: {out.resolve()}; `mutmut show NAME` for "
+          "context)")
     return 0
 
 
