@@ -18,8 +18,10 @@ from typing import Any
 if __name__ == "kernels":
     # The checkout's root is on sys.path (python -m ... run from it), so this folder was
     # found under its folder name. That name belongs to HuggingFace's kernels package
-    # (transformers imports it): load the installed one in its place. deepinfer itself
-    # imports this folder only as deepinfer_kernels.
+    # (transformers imports it): load the installed one in its place. Where none is
+    # installed, hand back an empty namespace, as a folder without __init__.py would give
+    # (transformers' probe reads that as "not installed"). deepinfer itself imports this
+    # folder only as deepinfer_kernels.
     import importlib.machinery
     import importlib.util
 
@@ -27,12 +29,12 @@ if __name__ == "kernels":
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels' (the kernels/ folder of this checkout is deepinfer's "
-            "kernel package, imported as deepinfer_kernels)", name="kernels")
+        _spec = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+        _spec.submodule_search_locations = []
     _installed = importlib.util.module_from_spec(_spec)
     sys.modules["kernels"] = _installed  # what the import statement hands back
-    _spec.loader.exec_module(_installed)
+    if _spec.loader is not None:
+        _spec.loader.exec_module(_installed)
 
 import torch  # noqa: E402
 

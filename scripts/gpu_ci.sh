@@ -178,7 +178,14 @@ unset TRITON_INTERPRET  # compiled kernels, never the interpreter
 # xgrammar's tvm-ffi would otherwise try to build its torch DLPack extension at import
 # (a compiler run, and nothing can be downloaded there); the plain DLPack path is enough.
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# deepinfer is not installed there: its import names (kernels/ is deepinfer_kernels,
+# scheduler/ deepinfer_scheduler) come from a folder of links to the working tree, so the
+# steps run the tree as it is. The repo root stays on the path for tests/ and
+# benchmarks/; its kernels/ folder, found there as "kernels", stands aside for
+# HuggingFace's (kernels/__init__.py).
+LINKS="${TMPDIR:-/tmp}/deepinfer-gpu-links"
+bash "$REPO/scripts/link_import_names.sh" "$LINKS" "$REPO"
+export PYTHONPATH="$LINKS:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 NCPU=$(nproc 2>/dev/null || echo 8)
 
 # step NAME CAP_SECONDS CMD...: run with a time cap (SIGINT first, so pytest still writes

@@ -122,3 +122,20 @@ def test_summary_table_from_every_step(tmp_path):
     assert "constrained" in rows["structured"] and "valid JSON" in rows["structured"]
     assert "overlap on: 233 tok/s" in rows["e2e-throughput"]
     assert "configurations" in rows["moe-sweep"]
+
+
+def test_import_names_linked_where_deepinfer_is_not_installed(tmp_path):
+    """The GPU machine has no install of deepinfer: gpu_ci.sh links the import names to the
+    tree. Without site's .pth files (so without the editable install), torch from its
+    site-packages and deepinfer from the links import, the kernels from kernels/."""
+    links = tmp_path / "links"
+    subprocess.run(["bash", str(ROOT / "scripts" / "link_import_names.sh"), str(links)],
+                   check=True, timeout=60)
+    site = Path(torch.__file__).resolve().parents[1]
+    code = ("import deepinfer_kernels, deepinfer_scheduler, deepinfer.engine_args\n"
+            "print(deepinfer_kernels.__file__)\n")
+    res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{links}:{site}"})
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()).resolve() == ROOT / "kernels" / "__init__.py"

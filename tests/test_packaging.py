@@ -141,3 +141,26 @@ def test_huggingface_kernels_imports_from_the_checkout_root():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert not Path(res.stdout.strip()).is_relative_to(ROOT / "kernels"), res.stdout
+
+
+def test_without_huggingface_kernels_the_checkout_folder_is_an_empty_namespace():
+    """Where no ``kernels`` is installed, the checkout's folder found from its root stands
+    for nothing: an empty namespace without ``__file__``, which transformers' probe reads
+    as "not installed" instead of failing on deepinfer's kernels."""
+    code = (
+        "import importlib.machinery as m\n"
+        "find = m.PathFinder.find_spec\n"
+        "m.PathFinder.find_spec = classmethod(lambda cls, name, path=None, target=None: "
+        "None if name == 'kernels' and path is not None else find(name, path, target))\n"
+        "import kernels\n"
+        "assert getattr(kernels, '__file__', None) is None, kernels.__file__\n"
+        "assert not hasattr(kernels, 'paged_decode_attention')\n"
+        "try:\n"
+        "    from kernels import get_kernel\n"
+        "except ImportError:\n"
+        "    print('ImportError')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ImportError"
