@@ -25,14 +25,15 @@ def run_deepinfer_pd(args: argparse.Namespace, wl: Workload, normal: dict) -> di
     import tempfile
 
     from deepinfer import SamplingParams
-    from deepinfer.distributed.pd import PDRequest, parse_pd
-    from deepinfer.distributed.pd_jobs import run_disaggregated
+    from deepinfer.distributed.pd import parse_pd
     from deepinfer.engine_args import EngineArgs
+    from deepinfer.jobs.input_records import JobRequest
+    from deepinfer.jobs.pd_job import run_disaggregated
 
     num_prompt, num_decode = parse_pd(args.pd)
     eargs = EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
                        max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 16)
-    reqs = [PDRequest(str(i), prompt_token_ids=p,
+    reqs = [JobRequest(str(i), prompt_token_ids=p,
                       params=SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
             for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,10 +1,10 @@
 """``deepinfer-generate``'s command line: parsing and dispatch only.
 
 The engine flags come from ``EngineArgs``' field declarations (one flag a field), the
-sampling defaults and job flags are declared here. Three ways to run: one engine
-(``deepinfer.jobs.one_engine``), data and/or tensor parallel (``--dp M``, ``--tp N`` or
-torchrun; ``deepinfer.distributed.dp`` and ``.tp``) and disaggregated prefill/decode
-(``--pd P:D``; ``deepinfer.distributed.pd_jobs``).
+sampling defaults and job flags are declared here. Three ways to run, all through the
+one loop of ``deepinfer.jobs.run_loop``: one engine (``deepinfer.jobs.one_engine``), data
+and/or tensor parallel (``--dp M``, ``--tp N`` or torchrun; ``deepinfer.jobs.dp_job``)
+and disaggregated prefill/decode (``--pd P:D``; ``deepinfer.jobs.pd_job``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import os
 import sys
 from dataclasses import fields
 
-from deepinfer.distributed.dp import dp_rank
 from deepinfer.distributed.pd import parse_pd
-from deepinfer.distributed.pd_jobs import pd_job_rank
 from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_size
 from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.dp_job import dp_rank
 from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
+from deepinfer.jobs.pd_job import pd_job_rank
 from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.request_state import RequestState, SampleState, SequenceExport, fit_to_model_len
+from deepinfer.request_state import AdmissionLimits, RequestState, SampleState, SequenceExport
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampled_tokens import SampledTokens
 from deepinfer.sampling.step_sampling import StepSampling
@@ -95,6 +95,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.admission = AdmissionLimits(self.max_model_len)  # PD: also the decode side's
         # Requests finished by a step completed while no one was iterating (drain closed
         # with a step in flight): handed out by the next step() or drain().
         self._undelivered: list[RequestOutput] = []
@@ -149,8 +150,7 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
             )
-        params = fit_to_model_len(request_id, len(prompt_token_ids), params,
-                                  self.max_model_len)
+        params = self.admission.fit(request_id, len(prompt_token_ids), params)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

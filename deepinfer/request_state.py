@@ -7,6 +7,7 @@ COMPLETION engine: everything needed to rebuild this host state on the other sid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,3 +117,39 @@ def fit_to_model_len(request_id: str, prompt_len: int, p: SamplingParams,
         raise ValueError(f"request {request_id!r}: prompt ({prompt_len} tokens) + {need} "
                          f"exceeds max_model_len={max_model_len}")
     return p if p.max_tokens <= room else p.replace(max_tokens=room)
+
+
+@dataclass
+class AdmissionLimits:
+    """What a new request must fit to be admitted: the engine's ``max_model_len`` and, on
+    a PROMPT engine of a disaggregated run, the COMPLETION engines it hands sequences to
+    (``hand_off``), so that a request no decode side could hold fails at once instead of
+    waiting forever for credits."""
+
+    max_model_len: int
+    decode_model_len: int | None = None
+    decode_blocks: int | None = None
+    # KV blocks a handed-off sequence may need (prompt length, max_tokens -> blocks).
+    blocks_needed: Callable[[int, int], int] | None = None
+
+    def hand_off(self, max_model_len: int, max_blocks: int,
+                 blocks_needed: Callable[[int, int], int]) -> None:
+        """Also fit the largest decode side: ``max_model_len`` positions, ``max_blocks``
+        KV blocks."""
+        self.decode_model_len, self.decode_blocks = max_model_len, max_blocks
+        self.blocks_needed = blocks_needed
+
+    def fit(self, request_id: str, prompt_len: int, p: SamplingParams) -> SamplingParams:
+        """``p`` cut to the shortest model length on the way (``fit_to_model_len``);
+        ``ValueError`` naming the request when it can never fit."""
+        max_len = self.max_model_len
+        if self.decode_model_len is not None:
+            max_len = min(max_len, self.decode_model_len)
+        p = fit_to_model_len(request_id, prompt_len, p, max_len)
+        if self.decode_blocks is not None and self.blocks_needed is not None:
+            need = self.blocks_needed(prompt_len, p.max_tokens)
+            if need > self.decode_blocks:
+                raise ValueError(
+                    f"request {request_id!r}: prompt + max_tokens needs {need} KV blocks; "
+                    f"no decode rank has that many ({self.decode_blocks} blocks)")
+        return p

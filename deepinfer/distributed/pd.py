@@ -1,5 +1,10 @@
 """Disaggregated prefill/decode: the rounds of one rank and the KV hand-off.
 
+``PDRounds.drain`` hands each finished request back to its caller, as
+``LLMEngine.drain`` does (the PD jobs, ``jobs/pd_job.py``, write them); requests go
+in through the rank's engine (``add_request``), whose admission also fits a PROMPT
+rank's requests to the decode side (``PDRounds.setup``).
+
 P PROMPT ranks prefill and sample each request's first token, then hand the sequence to
 one of D COMPLETION ranks, which decodes it to the end. World = P + D processes; ranks
 ``0..P-1`` are PROMPT, ``P..P+D-1`` COMPLETION. One round on every rank is:
@@ -30,39 +35,22 @@ n > 1 is rejected (a forked group shares blocks that would have to move together
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from deepinfer.distributed.ranks import RankInfo, comm_device
+from deepinfer.distributed.ranks import comm_device
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.parts import part_path
-from deepinfer.jobs.records import NATIVE, write_record
-from deepinfer.jobs.summary import RunSummary
-from deepinfer.request_state import fit_to_model_len
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.tokenizer import apply_chat_template
 
 # Status row layout (int64), see the module docstring.
 HAS_WORK, FREE_SLOTS, FREE_BLOCKS, N_OFFERS, NEEDS = range(5)
-
-
-@dataclass
-class PDRequest:
-    """One request of a disaggregated run: exactly one of ``prompt`` (text),
-    ``prompt_token_ids`` or ``messages`` (chat; the template is applied on the PROMPT
-    rank)."""
-
-    request_id: str
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass
@@ -70,13 +58,11 @@ class PDOptions:
     """``max_offers``: K, sequences one PROMPT rank may hand off per round.
     ``max_pending``: a PROMPT rank runs no prefill step while this many sequences wait to
     be handed off (None: its ``max_num_seqs``). ``timeout_s``: bound on every collective
-    (a dead peer fails the run instead of hanging it). ``output_format``: the lines
-    written (``records.NATIVE``, or a ``jobs.openai_batch.OpenAIFormat``)."""
+    (a dead peer fails the run instead of hanging it)."""
 
     max_offers: int = 16
     max_pending: int | None = None
     timeout_s: float = 1800.0
-    output_format: Any = NATIVE
 
 
 def parse_pd(spec: str) -> tuple[int, int]:
@@ -97,10 +83,12 @@ def check_pd_params(request_id: str, params: SamplingParams) -> None:
                          "(disaggregated prefill hands off single sequences); use n=1")
 
 
-def split_requests(requests: list[PDRequest], num_prompt: int, world: int
-                   ) -> list[list[PDRequest]]:
+T = TypeVar("T")
+
+
+def split_requests(requests: list[T], num_prompt: int, world: int) -> list[list[T]]:
     """Round-robin over the PROMPT ranks; COMPLETION ranks get empty lists."""
-    per_rank: list[list[PDRequest]] = [[] for _ in range(world)]
+    per_rank: list[list[T]] = [[] for _ in range(world)]
     for i, r in enumerate(requests):
         per_rank[i % num_prompt].append(r)
     return per_rank
@@ -137,20 +125,14 @@ def assign_offers(rows: list[list[int]], num_prompt: int) -> list[tuple[int, int
     return out
 
 
-def pd_worker(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
-              decode_args: EngineArgs, requests: list[PDRequest], output_path: str,
-              options: PDOptions) -> dict[str, Any]:
-    """One rank's part of a disaggregated run, inside an initialised default group: build
-    this rank's engine, run the rounds to the end, return its counters. ``requests``:
-    this rank's own (empty on a COMPLETION rank). Records go to this rank's part file of
-    ``output_path``."""
-    is_prompt = info.rank < num_prompt
+def pd_engine(rank: int, num_prompt: int, prompt_args: EngineArgs,
+              decode_args: EngineArgs, device: str) -> LLMEngine:
+    """The engine of ``rank``: PROMPT (ranks below ``num_prompt``, ``prompt_args``) or
+    COMPLETION (``decode_args``), on ``device``."""
+    is_prompt = rank < num_prompt
     args = prompt_args if is_prompt else decode_args
     role = "prompt" if is_prompt else "completion"
-    engine = LLMEngine(dataclasses.replace(args, engine_type=role, device=device))
-    loop = PDRounds(engine, info.rank, info.world_size, num_prompt, device,
-                    part_path(output_path, info.rank), options)
-    return loop.run(requests if is_prompt else [])
+    return LLMEngine(dataclasses.replace(args, engine_type=role, device=device))
 
 
 # The KV dtype in the setup exchange (ranks on different machines may resolve "auto"
@@ -159,10 +141,12 @@ KV_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 class PDRounds:
-    """The round loop of one rank (see the module docstring)."""
+    """The round loop of one rank (see the module docstring): ``setup`` (every rank, a
+    collective), then requests added to ``engine`` (PROMPT ranks), then ``drain``.
+    ``stats``: the rank's round counters."""
 
     def __init__(self, engine: LLMEngine, rank: int, world: int, num_prompt: int,
-                 device: str, part: str, options: PDOptions) -> None:
+                 device: str, options: PDOptions) -> None:
         self.engine = engine
         self.sched = engine.scheduler
         self.rank = rank
@@ -172,26 +156,14 @@ class PDRounds:
         self.dev = comm_device(device)
         self.k = options.max_offers
         self.max_pending = options.max_pending or self.sched.config.max_num_seqs
-        self.part = part
-        self.fmt = options.output_format
         self.stats: dict[str, Any] = {"rank": rank, "role": "prompt" if self.is_prompt
                                       else "completion", "rounds": 0, "handed_off": 0,
                                       "received": 0, "max_pending": 0, "steps": 0,
                                       # rounds with offers out and none taken (no credits)
-                                      "credit_waits": 0,
-                                      # requests answered with an error record
-                                      "errors": 0}
+                                      "credit_waits": 0}
         self.pending: deque = deque()  # handed-off sequences not yet sent (PROMPT)
         self._row = torch.zeros(5 + self.k, dtype=torch.int64, device=self.dev)
         self._rows = [torch.zeros_like(self._row) for _ in range(world)]
-
-    def _write(self, rec: dict[str, Any]) -> None:
-        # Flushed: a killed run leaves whole records. A result that is not valid JSON is
-        # written as an error line instead (False): that request failed, as with one
-        # engine.
-        written = write_record(self.out, rec)
-        if not written or rec.get("error") is not None:
-            self.stats["errors"] += 1
 
     def _gather(self, row: list[int]) -> list[list[int]]:
         self._row.copy_(torch.tensor(row, dtype=torch.int64))
@@ -199,86 +171,61 @@ class PDRounds:
         return torch.stack(self._rows).cpu().tolist()
 
     # ------------------------------------------------------------------ setup
-    def _add_requests(self, requests: list[PDRequest], decode_cfg: list[list[int]]) -> None:
-        """Queue this PROMPT rank's requests; one that no decode rank could ever hold is
-        an error record instead of a hang."""
-        eng = self.engine
-        max_blocks = max(nb for nb, _ in decode_cfg)
-        max_len = max(ml for _, ml in decode_cfg)
-        for r in requests:
-            try:
-                ids = r.prompt_token_ids
-                if r.messages is not None:
-                    ids = apply_chat_template(eng.tokenizer, r.messages)
-                elif ids is None and r.prompt is not None:
-                    ids = eng.tokenize(r.prompt)
-                params = r.params
-                if ids is not None:
-                    # Cut at the shortest model length on the way (as add_request cuts).
-                    params = fit_to_model_len(r.request_id, len(ids), params,
-                                              min(max_len, eng.max_model_len))
-                    need = self.sched.prefilled_blocks(len(ids), params.max_tokens)
-                    if need > max_blocks:
-                        raise ValueError(
-                            f"request {r.request_id!r}: prompt + max_tokens needs {need} KV "
-                            f"blocks; no decode rank has that many ({max_blocks} blocks)")
-                eng.add_request(r.request_id, r.prompt, ids, params)
-            except ValueError as e:
-                self._write(self.fmt.error(r.request_id, str(e)))
+    def setup(self) -> None:
+        """Every rank, before any request: exchange block size, KV blocks, positions and
+        KV dtype. A PROMPT engine then admits only requests that some decode rank could
+        hold (``AdmissionLimits.hand_off``): one that none could is an error record
+        instead of a hang."""
+        c = self.sched.config
+        cfg = self._gather([int(self.is_prompt), c.block_size, c.num_blocks,
+                            c.max_model_len, KV_DTYPE_CODES[self.engine.dtype]]
+                           + [0] * self.k)
+        if len({row[1] for row in cfg}) != 1:
+            raise ValueError("--pd: all ranks need the same block_size (KV moves by block)")
+        if len({row[4] for row in cfg}) != 1:
+            # dtype "auto" is bf16 on a CPU with native bf16 and fp32 on one without.
+            raise ValueError("--pd: the ranks resolved different dtypes (KV moves as "
+                             "bytes): pass the same --dtype to all of them")
+        if self.is_prompt:
+            decode = cfg[self.num_prompt:]
+            self.engine.admission.hand_off(max(row[3] for row in decode),
+                                           max(row[2] for row in decode),
+                                           self.sched.prefilled_blocks)
 
     # ------------------------------------------------------------------ loop
-    def run(self, requests: list[PDRequest]) -> dict[str, Any]:
-        c = self.sched.config
-        with open(self.part, "a", encoding="utf-8") as self.out:
-            # Setup exchange: block size, KV blocks, positions and KV dtype of every rank.
-            cfg = self._gather([int(self.is_prompt), c.block_size, c.num_blocks,
-                                c.max_model_len, KV_DTYPE_CODES[self.engine.dtype]]
-                               + [0] * self.k)
-            if len({row[1] for row in cfg}) != 1:
-                raise ValueError("--pd: all ranks need the same block_size (KV moves by "
-                                 "block)")
-            if len({row[4] for row in cfg}) != 1:
-                # dtype "auto" is bf16 on a CPU with native bf16 and fp32 on one without.
-                raise ValueError("--pd: the ranks resolved different dtypes (KV moves as "
-                                 "bytes): pass the same --dtype to all of them")
-            if self.is_prompt:
-                self._add_requests(requests,
-                                   [[row[2], row[3]] for row in cfg[self.num_prompt:]])
-            t0 = time.perf_counter()
-            while True:
-                self._local_step()
-                rows = self._gather(self._status())
-                self.stats["rounds"] += 1
-                if not any(row[HAS_WORK] for row in rows):
-                    break
-                plan = assign_offers(rows, self.num_prompt)
-                if self.is_prompt and self.pending and not any(p == self.rank
-                                                               for p, _, _ in plan):
-                    self.stats["credit_waits"] += 1
-                self._transfer(plan)
-        summary = RunSummary.of_engine(self.engine, 0, 0, time.perf_counter() - t0)
-        self.stats.update({k: v for k, v in dataclasses.asdict(summary).items()
-                           if k not in ("num_ok", "failed")})
-        return self.stats
+    def drain(self) -> Iterator[RequestOutput]:
+        """Run rounds until no rank has work; yield each request this rank finishes (a
+        PROMPT rank: those that ended at their first token), as it finishes. Every rank
+        leaves in the same round."""
+        while True:
+            yield from self._local_step()
+            rows = self._gather(self._status())
+            self.stats["rounds"] += 1
+            if not any(row[HAS_WORK] for row in rows):
+                return
+            plan = assign_offers(rows, self.num_prompt)
+            if self.is_prompt and self.pending and not any(p == self.rank
+                                                           for p, _, _ in plan):
+                self.stats["credit_waits"] += 1
+            self._transfer(plan)
 
-    def _local_step(self) -> None:
+    def _local_step(self) -> list[RequestOutput]:
         eng, s = self.engine, self.sched
         if self.is_prompt:
             # A constrained request waits in the engine (parked) until its grammar is
             # compiled; the step takes it into the scheduler then.
             if (not (s.waiting or eng.structured.has_parked())
                     or len(self.pending) >= self.max_pending):
-                return  # nothing to prefill, or back-pressure from the decode side
+                return []  # nothing to prefill, or back-pressure from the decode side
             done = eng.step()
             self.pending.extend(s.take_handoffs())
             self.stats["max_pending"] = max(self.stats["max_pending"], len(self.pending))
         else:
             if not s.running:
-                return
+                return []
             done = eng.step()
         self.stats["steps"] += 1
-        for res in done:  # PROMPT side: requests that ended at their first token
-            self._write(self.fmt.result(res))
+        return done  # PROMPT side: requests that ended at their first token
 
     def _status(self) -> list[int]:
         row = [0] * (5 + self.k)

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from deepinfer.jobs.parts import merge_outputs, part_path
 from deepinfer_scheduler.dp import host_collective_stream
 
 # Exit status of a run in which a rank died or a collective failed (1: records failed).
@@ -405,19 +404,3 @@ def _child_traceback(pctx, index: int) -> str | None:
         return None
     with open(path, "rb") as f:
         return pickle.load(f)
-
-
-# ---------------------------------------------------------------------------- output
-def merge_rank_parts(output: str, order: dict[str, int], world_size: int) -> None:
-    """Rank 0, once every rank closed its part: merge all parts into ``output``.
-
-    Raises ``RankFailedError`` if a part is not visible here (multi-node runs need the
-    output folder on a filesystem every node shares).
-    """
-    parts = [part_path(output, r) for r in range(world_size)]
-    missing = [p for p in parts if not os.path.exists(p)]
-    if missing:
-        raise RankFailedError(
-            f"rank 0 cannot see {missing[0]}: the output folder must be shared by all "
-            "nodes; part files stay where they are")
-    merge_outputs(output, order, parts)

@@ -1,6 +1,6 @@
 """Which input format a job reads and which output lines it writes: deepinfer's own
-(``.txt`` / ``.jsonl``, ``records``) or the OpenAI batch file format (``openai_batch``),
-detected from the first line or chosen with ``--format``."""
+(``.txt`` / ``.jsonl``; ``input_records``, ``output_records``) or the OpenAI batch file
+format (``openai_batch``), detected from the first line or chosen with ``--format``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 import sys
 from typing import Any
 
+from deepinfer.jobs.input_records import InputRecord, read_inputs
 from deepinfer.jobs.openai_batch import OpenAIFormat, is_openai_batch, read_openai_inputs
-from deepinfer.jobs.records import NATIVE, InputRecord, read_inputs
+from deepinfer.jobs.output_records import NATIVE
 
 __all__ = ["FORMATS", "NATIVE", "model_name", "open_job", "warn_other_models"]
 

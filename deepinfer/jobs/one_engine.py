@@ -1,6 +1,6 @@
 """A job on one engine in this process: the records of ``--input`` through one
-``LLMEngine``, appended to ``--output`` as they finish, with resume, error records,
-progress bar and summary."""
+``LLMEngine`` (``run_loop``), appended to ``--output`` as they finish, with resume, error
+records, progress bar and summary."""
 
 from __future__ import annotations
 
@@ -9,17 +9,11 @@ import sys
 
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.input_records import InputRecord, to_requests
+from deepinfer.jobs.output_records import NATIVE
 from deepinfer.jobs.parts import input_order, merge_outputs
-from deepinfer.jobs.progress import RunProgress
-from deepinfer.jobs.records import (
-    NATIVE,
-    InputRecord,
-    show_result,
-    submit_records,
-    write_record,
-)
 from deepinfer.jobs.resume import load_resume_state, pending_records
-from deepinfer.jobs.summary import RunSummary
+from deepinfer.jobs.run_loop import RunTarget, run_requests
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -38,26 +32,10 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
         return 0
     engine = LLMEngine(engine_args)
     with open(args.output, "a", encoding="utf-8") as out:
-        prompts, failed = submit_records(engine, pending, default_params, args.chat, out,
-                                         fmt)
-        bar = RunProgress(len(prompts), disable=args.no_progress)
-        st = engine.stats
-        finished = 0
-
-        def progress() -> None:
-            bar.update(finished, st.prompt_tokens, st.generated_tokens)
-
-        unwritable = 0
-        for res in engine.drain(on_step=progress):
-            if not write_record(out, fmt.result(res)):
-                unwritable += 1  # written as an error line instead (see write_record)
-            finished += 1
-            if args.show:
-                show_result(res.request_id, prompts[res.request_id], res.outputs[0].text)
-        bar.close()
+        summary = run_requests(RunTarget(engine),
+                               to_requests(pending, default_params, args.chat), out, fmt,
+                               show=args.show, progress=not args.no_progress)
     if fmt is not NATIVE:
         merge_outputs(args.output, input_order(r.id for r in inputs), [])
-    failed += unwritable
-    summary = RunSummary.of_engine(engine, len(prompts) - unwritable, failed, bar.elapsed())
     print(summary.format(), file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if summary.failed else 0

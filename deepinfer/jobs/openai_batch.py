@@ -7,7 +7,7 @@ A line becomes the same ``InputRecord`` the native format makes: its internal id
 fails by itself (malformed, an unknown ``url``, ``stream``, a field the engine does not
 have, a repeated ``custom_id``): the two prefixes differ, so no custom_id can make an id
 that a failed line has. Such a line gets an error line. Resume and merge key a status-200
-line by its ``custom_id`` (``records.line_key``), whatever its ``id``; error lines are
+line by its ``custom_id`` (``resume_keys.line_key``), whatever its ``id``; error lines are
 dropped and rewritten when a run is resumed, so every input line has exactly one output
 line. A body field given as ``null`` is taken as absent (its default), as OpenAI's API
 does. ``body.model`` is not checked against the loaded model beyond a warning (as vLLM
@@ -29,13 +29,8 @@ import time
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
-from deepinfer.jobs.records import (
-    OPENAI_ID_PREFIX,
-    SAMPLING_KEYS,
-    InputRecord,
-    openai_success,
-    structured_overrides,
-)
+from deepinfer.jobs.input_records import SAMPLING_KEYS, InputRecord, structured_overrides
+from deepinfer.jobs.resume_keys import OPENAI_ID_PREFIX, openai_success
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).

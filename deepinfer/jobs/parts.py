@@ -11,7 +11,8 @@ import re
 import sys
 from collections.abc import Iterable
 
-from deepinfer.jobs.records import valid_lines
+from deepinfer.distributed.ranks import RankFailedError
+from deepinfer.jobs.resume_keys import valid_lines
 
 _PART_RE = re.compile(r"\.part(\d+)$")
 
@@ -40,7 +41,7 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
     """Rewrite ``output`` as its records plus those of ``parts``, in input order; then
     remove the parts.
 
-    ``order``: input position of each line key (``records.line_key``: the id, or for an
+    ``order``: input position of each line key (``resume_keys.line_key``: the id, or for an
     OpenAI status-200 line the record id of its custom_id; keys not in it go last, in
     file order). Written to a temp file and moved into place, so a kill at any point
     leaves the old output and the parts, or the new output: never a half-written one.
@@ -92,3 +93,18 @@ def fold_part_files(output: str, inputs) -> bool:
           file=sys.stderr)
     merge_outputs(output, input_order(r.id for r in inputs), parts)
     return True
+
+
+def merge_rank_parts(output: str, order: dict[str, int], world_size: int) -> None:
+    """Rank 0, once every rank closed its part: merge all parts into ``output``.
+
+    Raises ``RankFailedError`` if a part is not visible here (multi-node runs need the
+    output folder on a filesystem every node shares).
+    """
+    parts = [part_path(output, r) for r in range(world_size)]
+    missing = [p for p in parts if not os.path.exists(p)]
+    if missing:
+        raise RankFailedError(
+            f"rank 0 cannot see {missing[0]}: the output folder must be shared by all "
+            "nodes; part files stay where they are")
+    merge_outputs(output, order, parts)

@@ -1,13 +1,13 @@
 """Resume: which records a killed or finished run already wrote.
 
-A killed writer leaves at most its last line torn; ``records.valid_lines`` (the one rule
+A killed writer leaves at most its last line torn; ``resume_keys.valid_lines`` (the one rule
 for a valid output line) stops there, and the torn tail is cut off before appending. A
 whole line that is not a record is dropped with a warning (its record runs again).
 
 OpenAI batch lines (objects with a ``custom_id``) are held to "one output line per input
 line, in input order" here, at the start of every run, so that it holds even when
 nothing is left to run (a run killed after its last record but before its final
-reorder): a status-200 line is keyed by its custom_id (``records.line_key``); a second
+reorder): a status-200 line is keyed by its custom_id (``resume_keys.line_key``); a second
 one for the same custom_id, or one whose custom_id no longer has an input line (the input
 changed), is dropped, the latter with a warning; the kept lines are put in input order.
 """
@@ -19,8 +19,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from deepinfer.jobs.input_records import InputRecord, mark_duplicates
 from deepinfer.jobs.parts import fold_part_files, input_order
-from deepinfer.jobs.records import InputRecord, mark_duplicates, strict_json, valid_lines
+from deepinfer.jobs.resume_keys import strict_json, valid_lines
 
 
 def lock_output(path: str) -> Any:
@@ -60,7 +61,7 @@ def check_output_format(path: str, openai: bool) -> None:
 
 def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
                   order: dict[str, int] | None = None) -> set[str]:
-    """Keys (``records.line_key``) already in the output file; a torn last line (killed
+    """Keys (``resume_keys.line_key``) already in the output file; a torn last line (killed
     run) is cut off the file. ``final(line)``: whether a line counts as done (default:
     every line); the others are removed from the file (through a temp file and
     ``os.replace``) to be written again. ``order``: input position of each record id;

@@ -10,10 +10,12 @@ import json
 import pytest
 import torch.distributed as dist
 
-from deepinfer.distributed.pd import PDOptions, PDRequest, assign_offers, parse_pd
-from deepinfer.distributed.pd_jobs import run_disaggregated
+from deepinfer.distributed.pd import PDOptions, assign_offers, parse_pd
 from deepinfer.distributed.ranks import RankFailedError
 from deepinfer.engine_args import EngineArgs
+from deepinfer.jobs.input_records import JobRequest
+from deepinfer.jobs.pd_job import run_disaggregated
+from deepinfer.request_state import AdmissionLimits
 from deepinfer.sampling.params import SamplingParams
 from tests.engine.conftest import tiny_checkpoints  # noqa: F401  (the shared fixture)
 
@@ -38,16 +40,16 @@ def _args(path: str, **kw) -> EngineArgs:
                       block_size=8, **kw)
 
 
-def _requests(max_tokens: int) -> list[PDRequest]:
+def _requests(max_tokens: int) -> list[JobRequest]:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    reqs = [PDRequest(str(i), prompt=p, params=sp) for i, p in enumerate(PROMPTS)]
+    reqs = [JobRequest(str(i), prompt=p, params=sp) for i, p in enumerate(PROMPTS)]
     # Ends at its first token: answered by the PROMPT rank itself.
-    reqs.append(PDRequest("one", prompt="hello world",
+    reqs.append(JobRequest("one", prompt="hello world",
                           params=dataclasses.replace(sp, max_tokens=1)))
     return reqs
 
 
-def _normal(path: str, reqs: list[PDRequest]) -> dict[str, list[int]]:
+def _normal(path: str, reqs: list[JobRequest]) -> dict[str, list[int]]:
     from deepinfer.engine import LLMEngine
 
     eng = LLMEngine(_args(path))
@@ -135,3 +137,20 @@ def test_parse_pd():
     for bad in ("1", "0:1", "a:b"):
         with pytest.raises(ValueError):
             parse_pd(bad)
+
+
+def test_admission_fits_a_prompt_rank_to_the_decode_side():
+    """A PROMPT engine's admission (``LLMEngine.add_request``) also cuts max_tokens at the
+    decode side's model length and refuses a request no decode rank has the blocks for."""
+    limits = AdmissionLimits(max_model_len=100)
+    sp = SamplingParams(max_tokens=90)
+    assert limits.fit("a", 20, sp).max_tokens == 80
+    blocks = []
+    limits.hand_off(50, 7, lambda n, m: blocks.append((n, m)) or -(-(n + m) // 8))
+    assert limits.fit("a", 20, sp).max_tokens == 30  # the shorter decode side
+    assert blocks == [(20, 30)]
+    with pytest.raises(ValueError, match=r"'b': prompt \(60 tokens\).*max_model_len=50"):
+        limits.fit("b", 60, sp)
+    limits.hand_off(50, 6, lambda n, m: -(-(n + m) // 8))
+    with pytest.raises(ValueError, match=r"'c': .*needs 7 KV blocks.*\(6 blocks\)"):
+        limits.fit("c", 20, sp)

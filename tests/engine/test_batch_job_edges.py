@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.generate import main
+from deepinfer.jobs.input_records import parse_jsonl_line
 from deepinfer.jobs.openai_batch import parse_openai_line
-from deepinfer.jobs.records import parse_jsonl_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from deepinfer.generate import main
-from deepinfer.jobs.records import read_inputs
+from deepinfer.jobs.input_records import read_inputs
 from deepinfer.jobs.resume import load_done_ids
 
 

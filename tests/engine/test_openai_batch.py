@@ -232,7 +232,7 @@ def test_write_record_refuses_non_finite_numbers(tmp_path, capsys):
     alone, as an error line of its format (valid JSON), instead of killing the job."""
     import io
 
-    from deepinfer.jobs.records import write_record
+    from deepinfer.jobs.output_records import write_record
 
     out = io.StringIO()
     assert write_record(out, {"id": "ok", "outputs": [{"text": "x"}]})
@@ -302,7 +302,7 @@ def test_bom_and_crlf_input(tmp_path, model_args):
 
 
 def test_native_input_with_bom_and_crlf(tmp_path):
-    from deepinfer.jobs.records import read_inputs
+    from deepinfer.jobs.input_records import read_inputs
 
     txt = tmp_path / "in.txt"
     txt.write_bytes(b"\xef\xbb\xbfhello\r\nworld\r\n")

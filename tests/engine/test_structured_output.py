@@ -22,7 +22,9 @@ import jsonschema
 import pytest
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.jobs.records import read_inputs, result_record, submit_records, write_record
+from deepinfer.jobs.input_records import read_inputs, to_requests
+from deepinfer.jobs.output_records import result_record, write_record
+from deepinfer.jobs.run_loop import RunTarget, submit_requests
 from tests.engine.structured_cases import TINY_PROMPTS, TINY_SCHEMA, record_overlap, tiny_params
 
 SO = StructuredOutputsParams
@@ -302,7 +304,8 @@ def test_jsonl_records_with_structured_fields(llm, tmp_path):
     records = list(read_inputs(str(path)))
     out = io.StringIO()
     defaults = SamplingParams(temperature=0.0, max_tokens=40)
-    _, failed = submit_records(llm.engine, records, defaults, False, out)
+    requests = to_requests(records, defaults, False)
+    _, failed = submit_requests(RunTarget(llm.engine).admit, requests, out)
     for res in llm.engine.drain():
         write_record(out, result_record(res))
     got = {r["id"]: r for r in map(json.loads, out.getvalue().splitlines())}

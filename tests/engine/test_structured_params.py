@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 
 from deepinfer import SamplingParams, StructuredOutputsParams
-from deepinfer.jobs.records import parse_jsonl_line
+from deepinfer.jobs.input_records import parse_jsonl_line
 from deepinfer.structured.grammar import GrammarCache, build_grammar, tokenizer_info
 
 SO = StructuredOutputsParams

@@ -1,50 +1,86 @@
-"""Disaggregated runs of whole request lists: ``run_disaggregated`` (library: spawn the
-P + D ranks on this machine, merge their records) and ``pd_job_rank`` (one rank of a
+"""Disaggregated prefill/decode jobs: ``run_disaggregated`` (library: spawn the P + D
+ranks on this machine, merge their records) and ``pd_job_rank`` (one rank of a
 ``deepinfer-generate --pd P:D`` run: the records, error records, resume, exit status and
-summary of a one-engine run, spawned or under torchrun)."""
+summary of a one-engine run, spawned or under torchrun).
+
+Each rank runs the one loop (``run_loop``) on its engine, its results coming from the PD
+rounds (``distributed.pd.PDRounds.drain``), and appends them to its part file; rank 0
+merges the part files in input order at the end."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from deepinfer.distributed.pd import (
     PDOptions,
-    PDRequest,
+    PDRounds,
     check_pd_params,
-    pd_worker,
+    pd_engine,
     split_requests,
 )
 from deepinfer.distributed.ranks import (
     RankInfo,
     check_gpu_count,
-    merge_rank_parts,
     run_in_group,
     select_device,
     spawn_ranks,
 )
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import open_job
-from deepinfer.jobs.parts import input_order, merge_outputs, part_path
-from deepinfer.jobs.records import (
-    NATIVE,
-    InputRecord,
-    openai_success,
-    queue_records,
-    show_result,
-)
+from deepinfer.jobs.input_records import JobRequest, to_requests
+from deepinfer.jobs.output_records import NATIVE, show_result
+from deepinfer.jobs.parts import input_order, merge_outputs, merge_rank_parts, part_path
+from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.resume import load_resume_state, pending_records
+from deepinfer.jobs.resume_keys import openai_success
+from deepinfer.jobs.run_loop import RunTarget, run_requests, submit_requests
 from deepinfer.jobs.summary import RunSummary
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
+
+
+class PDRankTarget(RunTarget):
+    """The engine of one PD rank; its finished requests come from the rounds."""
+
+    def __init__(self, rounds: PDRounds) -> None:
+        super().__init__(rounds.engine)
+        self.rounds = rounds
+
+    def results(self, finished: Callable[[], int], bar: RunProgress
+                ) -> Iterator[RequestOutput]:
+        return self.rounds.drain()
+
+
+def run_pd_rank(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
+                decode_args: EngineArgs, requests: list[JobRequest], output_path: str,
+                options: PDOptions, fmt: Any = NATIVE) -> dict[str, Any]:
+    """One rank's part of a disaggregated run, inside an initialised default group: build
+    this rank's engine, run the rounds to the end, return its counters (the rounds', the
+    ``RunSummary`` fields, and ``errors``: its error lines). ``requests``: this rank's own
+    (empty on a COMPLETION rank). Records go to this rank's part file of
+    ``output_path``."""
+    rounds = PDRounds(pd_engine(info.rank, num_prompt, prompt_args, decode_args, device),
+                      info.rank, info.world_size, num_prompt, device, options)
+    with open(part_path(output_path, info.rank), "a", encoding="utf-8") as out:
+        rounds.setup()
+        # No bar: the ranks' loops run in lock-step, and --show prints after the merge.
+        summary = run_requests(PDRankTarget(rounds), requests if rounds.is_prompt else [],
+                               out, fmt, progress=False)
+    counters = {k: v for k, v in dataclasses.asdict(summary).items()
+                if k not in ("num_ok", "failed")}
+    return {**rounds.stats, **counters, "errors": summary.failed}
 
 
 # ====================================================================== library
 def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
-            decode_args: EngineArgs, requests: list[list[PDRequest]], output_path: str,
+            decode_args: EngineArgs, requests: list[list[JobRequest]], output_path: str,
             options: PDOptions) -> list[dict[str, Any]]:
     """One rank of ``run_disaggregated``: appends its records to
     ``part_path(output_path, rank)``; returns every rank's counters (gathered, in rank
@@ -54,8 +90,8 @@ def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
                            info.local_rank)  # one GPU per rank on CUDA
 
     def body() -> list[dict[str, Any]]:
-        own = pd_worker(info, device, num_prompt, prompt_args, decode_args,
-                        requests[info.rank], output_path, options)
+        own = run_pd_rank(info, device, num_prompt, prompt_args, decode_args,
+                          requests[info.rank], output_path, options)
         stats: list[dict[str, Any]] = [{} for _ in range(info.world_size)]
         dist.all_gather_object(stats, own)
         return stats
@@ -63,7 +99,7 @@ def pd_rank(info: RankInfo, num_prompt: int, prompt_args: EngineArgs,
     return run_in_group(info, device, options.timeout_s, body)
 
 
-def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output_path: str,
+def run_disaggregated(engine_args: EngineArgs, requests: list[JobRequest], output_path: str,
                       num_prompt: int, num_decode: int, *,
                       decode_args: EngineArgs | None = None,
                       options: PDOptions | None = None,
@@ -98,24 +134,6 @@ def run_disaggregated(engine_args: EngineArgs, requests: list[PDRequest], output
 
 
 # ====================================================================== the CLI
-def pd_requests(pending: list[InputRecord], args: argparse.Namespace,
-                default_params: SamplingParams, fmt: Any = NATIVE
-                ) -> tuple[list[PDRequest], int]:
-    """``PDRequest``s of the good records; the others (bad line, invalid sampling values,
-    n > 1) are appended to ``args.output`` as error records at once. Returns the requests
-    and the number of error records. Checks that need the tokenizer or the engines'
-    sizes (an over-long prompt) are made by the PROMPT ranks, which write those errors."""
-    requests: list[PDRequest] = []
-
-    def accept(rec: InputRecord, sp: SamplingParams, prompt, messages) -> None:
-        check_pd_params(rec.id, sp)
-        requests.append(PDRequest(rec.id, prompt=prompt, messages=messages, params=sp))
-
-    with open(args.output, "a", encoding="utf-8") as out:
-        failed = queue_records(pending, default_params, args.chat, out, accept, fmt)
-    return requests, failed
-
-
 def pd_job_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
                 default_params: SamplingParams, num_prompt: int) -> int:
     """One process of a ``deepinfer-generate --pd`` run (spawned or under torchrun).
@@ -123,12 +141,13 @@ def pd_job_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArg
     to all; after the rounds it merges the part files and reports. Returns the run's exit
     status, the same on every rank. Raises ``RankFailedError`` when a rank fails."""
     device = select_device(args.device, info.local_rank)
-    return run_in_group(info, device, args.dp_timeout, _pd_job_body, info, args,
+    return run_in_group(info, device, args.dp_timeout, pd_job_body, info, args,
                         engine_args, default_params, num_prompt, device)
 
 
-def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
-                 default_params: SamplingParams, num_prompt: int, device: str) -> int:
+def pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
+                default_params: SamplingParams, num_prompt: int, device: str) -> int:
+    """``pd_job_rank`` inside the default group."""
     rank0 = info.rank == 0
     payload: list[Any] = [None]
     shown: dict[str, Any] = {}
@@ -137,19 +156,22 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
                                engine_args.model)
         pending = pending_records(inputs, load_resume_state(args.output, inputs, fmt.final),
                                   args.output)
-        requests, failed = (pd_requests(pending, args, default_params, fmt) if pending
-                            else ([], 0))
+        # Records that fail by themselves (bad line, sampling values, n > 1) are written
+        # at once; the others are shared out. Checks that need the tokenizer or the
+        # engines' sizes (an over-long prompt) are the PROMPT ranks' admission.
+        requests: list[JobRequest] = []
+        with open(args.output, "a", encoding="utf-8") as out:
+            shown, failed = submit_requests(
+                requests.append, to_requests(pending, default_params, args.chat,
+                                             check=check_pd_params), out, fmt)
         payload = [(requests, failed, input_order(r.id for r in inputs), fmt)]
-        # --show prints what one engine does (a repeated id's first record is the one run)
-        shown = {r.id: r.shown_prompt for r in pending if r.error is None}
     dist.broadcast_object_list(payload, src=0)
     requests, failed, order, fmt = payload[0]
     stats: list[dict[str, Any]] = []
     if requests:
         mine = split_requests(requests, num_prompt, info.world_size)[info.rank]
-        own = pd_worker(info, device, num_prompt, engine_args, engine_args, mine,
-                        args.output, PDOptions(timeout_s=args.dp_timeout,
-                                               output_format=fmt))
+        own = run_pd_rank(info, device, num_prompt, engine_args, engine_args, mine,
+                          args.output, PDOptions(timeout_s=args.dp_timeout), fmt)
         stats = [{} for _ in range(info.world_size)]
         # Also the point after which every part file is complete and closed.
         dist.all_gather_object(stats, own)
@@ -161,20 +183,20 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
         merge_outputs(args.output, order, [])
     failed += sum(s["errors"] for s in stats)
     if rank0 and (requests or failed):
-        _report(args, requests, failed, stats, shown)
+        report(args, requests, failed, stats, shown)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
     dist.barrier()
     return 1 if failed else 0
 
 
-def _report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
-            stats: list[dict[str, Any]], shown: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, requests: list[JobRequest], failed: int,
+           stats: list[dict[str, Any]], shown: dict[str, Any]) -> None:
     """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
     model loading excluded as in a one-engine run) and ``--show`` (``shown``: the prompt
-    of each pending record by id)."""
+    of each request by id)."""
     errors = sum(s["errors"] for s in stats)
     if args.show and requests:
-        _show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
+        show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
     total = RunSummary.sum_over([RunSummary.from_dict(s) for s in stats])
     total.num_ok, total.failed = len(requests) - errors, failed
     print(total.format(), file=sys.stderr)
@@ -187,18 +209,18 @@ def _report(args: argparse.Namespace, requests: list[PDRequest], failed: int,
               file=sys.stderr)
 
 
-def _show_merged(output: str, prompts: dict[str, Any]) -> None:
+def show_merged(output: str, prompts: dict[str, Any]) -> None:
     """``--show`` for a PD run: results are printed once merged (the ranks write part
     files; no process sees them as they finish)."""
     with open(output, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            text = _first_text(rec)
+            text = first_text(rec)
             if rec["id"] in prompts and text is not None:
                 show_result(rec["id"], prompts[rec["id"]], text)
 
 
-def _first_text(line: dict[str, Any]) -> str | None:
+def first_text(line: dict[str, Any]) -> str | None:
     """The text of an output line's first completion, what ``--show`` prints of a result
     (``RequestOutput.outputs[0].text``): a native line's ``outputs[0].text``, or an OpenAI
     batch line's first choice (``text``, or a chat ``message.content``). None for an error

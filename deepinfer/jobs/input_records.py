@@ -1,0 +1,186 @@
+"""Input records (``.txt`` / ``.jsonl`` lines) and the requests they become.
+
+Input: ``.txt`` (one prompt per line, blank lines skipped; the id is the line number) or
+``.jsonl`` (objects with an optional ``id``, ``prompt`` or ``messages``, and optional
+sampling overrides, top level or under ``sampling_params``; structured output as
+``structured_outputs`` (``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``,
+``{"json": ...}``, ``{"json_object": true}``) or OpenAI's ``response_format``). A bad line
+becomes a record with ``error`` set, so that it fails alone. Input files are read as
+UTF-8 with an optional BOM; CRLF line ends work; a line that is not UTF-8 fails alone
+(``input_lines``). The OpenAI batch format makes the same ``InputRecord`` s
+(``openai_batch``).
+
+A record becomes a ``JobRequest`` (``to_requests``): its sampling resolved, ready for an
+engine's ``add_request``, or carrying the error that its output line reports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.structured import StructuredOutputsParams
+
+SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class InputRecord:
+    """One input line, parsed; ``error`` set when the line itself is bad."""
+
+    id: str
+    prompt: str | None = None
+    messages: Messages | None = None
+    overrides: dict[str, Any] | None = None
+    error: str | None = None
+    custom_id: str | None = None  # OpenAI batch format: the line's custom_id
+    api: str | None = None  # OpenAI batch format: "chat" or "completion"
+    model: str | None = None  # OpenAI batch format: the line's body.model
+
+    @property
+    def shown_prompt(self) -> str | Messages | None:
+        """What ``--show`` prints as the prompt: the text, or the messages."""
+        return self.prompt if self.prompt is not None else self.messages
+
+
+def read_inputs(path: str) -> Iterator[InputRecord]:
+    """Yield one record per non-empty line; the default id is the 1-based line number.
+    Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file, a
+    folder or an unknown extension."""
+    check_input_file(path)
+    is_jsonl = path.endswith((".jsonl", ".json"))
+    if not is_jsonl and not path.endswith(".txt"):
+        raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
+    for lineno, line, error in read_lines(path):
+        if error is not None:
+            yield InputRecord(id=str(lineno), error=error)
+        elif not is_jsonl:
+            yield InputRecord(id=str(lineno), prompt=line)
+        else:
+            yield parse_jsonl_line(line, lineno)
+
+
+def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
+    """One ``.jsonl`` line -> a record (``error`` set and naming the line if it is bad).
+    The id: the line's ``id`` (a string or an integer), else (absent or null) the line
+    number."""
+    obj, error = load_json_line(line, lineno)
+    if error is not None:
+        return InputRecord(id=str(lineno), error=error)
+    if not isinstance(obj, dict):
+        return InputRecord(id=str(lineno), error=f"line {lineno}: expected a JSON object")
+    rid = obj.get("id")
+    if rid is None:
+        rid = lineno
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return InputRecord(id=str(lineno), error=f"line {lineno}: 'id' must be a string or "
+                                                 f"an integer, got {json.dumps(rid)}")
+    rid = str(rid)
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        return InputRecord(id=rid, error=f"line {lineno}: needs exactly one of "
+                                         "'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        return InputRecord(id=rid, error=f"line {lineno}: 'prompt' must be a string")
+    if messages is not None and not (
+        isinstance(messages, list)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+    ):
+        return InputRecord(id=rid, error=f"line {lineno}: 'messages' must be a list of "
+                                         "{'role', 'content'} objects")
+    overrides = obj.get("sampling_params") or {}
+    if not isinstance(overrides, dict):
+        return InputRecord(id=rid, error=f"line {lineno}: 'sampling_params' must be an "
+                                         "object")
+    overrides = dict(overrides)
+    overrides.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
+    unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params",
+                                          "response_format"}
+    if unknown:
+        return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
+    try:
+        structured_overrides(overrides, obj.get("response_format"))
+    except ValueError as e:
+        return InputRecord(id=rid, error=f"line {lineno}: {e}")
+    return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides)
+
+
+def structured_overrides(overrides: dict[str, Any], response_format: Any) -> None:
+    """Turn a line's ``structured_outputs`` object (in ``overrides``) or its
+    ``response_format`` into a ``StructuredOutputsParams`` in ``overrides``, in place.
+    ``ValueError`` naming the field for a bad value or when both are given."""
+    so = overrides.get("structured_outputs")
+    if so is not None:
+        overrides["structured_outputs"] = StructuredOutputsParams.from_dict(so)
+    if response_format is not None:
+        if so is not None:
+            raise ValueError("give 'structured_outputs' or 'response_format', not both")
+        fmt = StructuredOutputsParams.from_response_format(response_format)
+        if fmt is not None:
+            overrides["structured_outputs"] = fmt
+
+
+def mark_duplicates(pending: list[InputRecord]) -> None:
+    """Turn a repeated id of the input into an error record, so that every rank of a DP
+    run agrees on which record of a repeated id runs."""
+    seen: set[str] = set()
+    for rec in pending:
+        if rec.error is None and rec.id in seen:
+            rec.error = f"duplicate id {rec.id!r} in the input"
+        seen.add(rec.id)
+
+
+def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
+                   ) -> tuple[SamplingParams, str | None, Messages | None]:
+    """``(params, prompt, messages)`` of a good record: its sampling overrides applied and,
+    with ``chat``, a plain prompt wrapped as one user message. An OpenAI batch line is
+    never wrapped: its url decides (``/v1/completions`` is a raw prompt, answered by a
+    ``text_completion``). Raises ``ValueError`` for invalid sampling values."""
+    sp = default_params.replace(**(rec.overrides or {}))
+    if rec.messages is not None or (chat and rec.api is None):
+        return sp, None, rec.messages or [{"role": "user", "content": rec.prompt}]
+    return sp, rec.prompt, None
+
+
+@dataclass
+class JobRequest:
+    """One request of a job, as an engine takes it (``LLMEngine.add_request``): exactly
+    one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat: the engine
+    applies the template). ``error``: why it cannot run (its output line says so; the
+    other fields are then unset). ``shown``: what ``--show`` prints as its prompt."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: Messages | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    error: str | None = None
+    shown: Any = None
+
+
+def to_requests(records: list[InputRecord], default_params: SamplingParams, chat: bool,
+                check: Callable[[str, SamplingParams], None] | None = None
+                ) -> list[JobRequest]:
+    """One ``JobRequest`` per record, in order (``resolve_record``); a bad line, invalid
+    sampling values or a ``ValueError`` from ``check(id, params)`` (what a run mode
+    cannot serve) give a request with ``error`` set."""
+    requests = []
+    for rec in records:
+        if rec.error is not None:
+            requests.append(JobRequest(rec.id, error=rec.error))
+            continue
+        try:
+            params, prompt, messages = resolve_record(rec, default_params, chat)
+            if check is not None:
+                check(rec.id, params)
+        except ValueError as e:
+            requests.append(JobRequest(rec.id, error=str(e)))
+            continue
+        requests.append(JobRequest(rec.id, prompt=prompt, messages=messages, params=params,
+                                   shown=rec.shown_prompt))
+    return requests
