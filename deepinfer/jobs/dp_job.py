@@ -94,14 +94,13 @@ def dp_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     collective fails."""
     device = select_device(args.device, info.local_rank)
     inputs, fmt = open_job(args.input, getattr(args, "format", "auto"), engine_args.model)
-    return run_in_group(info, device, args.dp_timeout, dp_body, info, args,
+    return run_in_group(info, device, args.dp_timeout, _dp_body, info, args,
                         dataclasses.replace(engine_args, device=device), default_params, inputs,
                         fmt)
 
 
-def dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
+def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
             default_params: SamplingParams, inputs: list[InputRecord], fmt: Any) -> int:
-    """``dp_rank`` inside the default group."""
     rank0 = info.rank == 0
     cdev = comm_device(engine_args.device)
     tp = engine_args.tensor_parallel_size
@@ -119,7 +118,7 @@ def dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     if not layout.leader:
         run_follower(engine_args, groups.tp)  # until the leader's engine closes
         dist.barrier()  # the part files are complete
-        return exit_status(0, cdev)
+        return _exit_status(0, cdev)
     mine = pending[layout.replica::layout.dp]  # round-robin share
     # Every leader builds an engine, even with no records: its scheduler must vote.
     engine = LLMEngine(engine_args, dp_group=groups.leaders, tp=groups.tp)
@@ -137,10 +136,10 @@ def dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
         merge_rank_parts(args.output, input_order(r.id for r in inputs), layout.dp)
         print(total.format(), file=sys.stderr)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits 1.
-    return exit_status(1 if total.failed else 0, cdev)
+    return _exit_status(1 if total.failed else 0, cdev)
 
 
-def exit_status(mine: int, device: torch.device) -> int:
+def _exit_status(mine: int, device: torch.device) -> int:
     """Rank 0's exit status on every rank (a collective: also the run's last barrier)."""
     (status,) = allreduce_ints([mine], device, op=dist.ReduceOp.MAX)
     return status

@@ -141,13 +141,12 @@ def pd_job_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArg
     to all; after the rounds it merges the part files and reports. Returns the run's exit
     status, the same on every rank. Raises ``RankFailedError`` when a rank fails."""
     device = select_device(args.device, info.local_rank)
-    return run_in_group(info, device, args.dp_timeout, pd_job_body, info, args,
+    return run_in_group(info, device, args.dp_timeout, _pd_job_body, info, args,
                         engine_args, default_params, num_prompt, device)
 
 
-def pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
+def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
                 default_params: SamplingParams, num_prompt: int, device: str) -> int:
-    """``pd_job_rank`` inside the default group."""
     rank0 = info.rank == 0
     payload: list[Any] = [None]
     shown: dict[str, Any] = {}
@@ -183,20 +182,20 @@ def pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArg
         merge_outputs(args.output, order, [])
     failed += sum(s["errors"] for s in stats)
     if rank0 and (requests or failed):
-        report(args, requests, failed, stats, shown)
+        _report(args, requests, failed, stats, shown)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
     dist.barrier()
     return 1 if failed else 0
 
 
-def report(args: argparse.Namespace, requests: list[JobRequest], failed: int,
+def _report(args: argparse.Namespace, requests: list[JobRequest], failed: int,
            stats: list[dict[str, Any]], shown: dict[str, Any]) -> None:
     """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
     model loading excluded as in a one-engine run) and ``--show`` (``shown``: the prompt
     of each request by id)."""
     errors = sum(s["errors"] for s in stats)
     if args.show and requests:
-        show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
+        _show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
     total = RunSummary.sum_over([RunSummary.from_dict(s) for s in stats])
     total.num_ok, total.failed = len(requests) - errors, failed
     print(total.format(), file=sys.stderr)
@@ -209,18 +208,18 @@ def report(args: argparse.Namespace, requests: list[JobRequest], failed: int,
               file=sys.stderr)
 
 
-def show_merged(output: str, prompts: dict[str, Any]) -> None:
+def _show_merged(output: str, prompts: dict[str, Any]) -> None:
     """``--show`` for a PD run: results are printed once merged (the ranks write part
     files; no process sees them as they finish)."""
     with open(output, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            text = first_text(rec)
+            text = _first_text(rec)
             if rec["id"] in prompts and text is not None:
                 show_result(rec["id"], prompts[rec["id"]], text)
 
 
-def first_text(line: dict[str, Any]) -> str | None:
+def _first_text(line: dict[str, Any]) -> str | None:
     """The text of an output line's first completion, what ``--show`` prints of a result
     (``RequestOutput.outputs[0].text``): a native line's ``outputs[0].text``, or an OpenAI
     batch line's first choice (``text``, or a chat ``message.content``). None for an error
