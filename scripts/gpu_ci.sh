@@ -248,7 +248,7 @@ step kernel-tests 180 "$PY" -m pytest "${BASE_OPTS[@]}" "${KTEST_OPTS[@]}" tests
     --junitxml="$WORK/logs/kernel-tests.xml"
 
 step engine-tests 150 "$PY" -m pytest "${BASE_OPTS[@]}" tests/engine/test_cuda_engine.py \
-    tests/engine/test_llm.py tests/engine/test_token_mask.py -q -k "cuda or tiny" \
+    tests/engine/test_llm.py tests/structured/test_token_mask.py -q -k "cuda or tiny" \
     --junitxml="$WORK/logs/engine-tests.xml"
 
 step moe-bench 90 env DEEPINFER_BENCH_OUT="$WORK/results" "$PY" -m pytest \

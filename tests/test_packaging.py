@@ -46,6 +46,13 @@ def _packages_on_disk() -> set[str]:
     return found
 
 
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter run from ``cwd``, without the caller's PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_import_names_are_the_projects_own():
     assert set(_import_names().values()) == {"deepinfer", "deepinfer_kernels",
                                               "deepinfer_scheduler"}
@@ -74,9 +81,7 @@ def test_huggingface_kernels_imports_beside_deepinfer_in_a_fresh_process(tmp_pat
     code = ("import deepinfer, deepinfer_kernels, deepinfer_scheduler, transformers, kernels\n"
             "from deepinfer import LLM, SamplingParams\n"
             "print(kernels.get_kernel.__module__)\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = _python(code, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().startswith("kernels")
 
@@ -136,9 +141,7 @@ def test_huggingface_kernels_imports_from_the_checkout_root():
     pytest.importorskip("kernels")
     code = ("import sys, kernels, transformers.activations, deepinfer_kernels\n"
             "print(kernels.__file__)\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = _python(code, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert not Path(res.stdout.strip()).is_relative_to(ROOT / "kernels"), res.stdout
 
@@ -159,8 +162,6 @@ def test_without_huggingface_kernels_the_checkout_folder_is_an_empty_namespace()
         "    from kernels import get_kernel\n"
         "except ImportError:\n"
         "    print('ImportError')\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = _python(code, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ImportError"

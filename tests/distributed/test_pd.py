@@ -17,7 +17,6 @@ from deepinfer.jobs.input_records import JobRequest
 from deepinfer.jobs.pd_job import run_disaggregated
 from deepinfer.request_state import AdmissionLimits
 from deepinfer.sampling.params import SamplingParams
-from tests.engine.conftest import tiny_checkpoints  # noqa: F401  (the shared fixture)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from deepinfer.loading.loader import load_model
 from deepinfer.models.tensor_parallel import Shard, TPGroup, take_shard
 from tests.distributed.test_tp_moe import _stacked_copy
-from tests.engine.paged_sim import PagedSim
-from tests.engine.test_models import ATOL, hf_logits
 from tests.models.hf_checkpoints import edit_config, save_hf_checkpoint, tiny_config
+from tests.models.paged_sim import PagedSim
+from tests.models.test_models import ATOL, hf_logits
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -172,7 +172,7 @@ def test_moe_size_mismatch_refused_by_every_rank(name, changes, pattern, moe_ckp
 
 def test_gguf_size_mismatch_refused_by_every_rank(tiny_checkpoints, tmp_path):
     """GGUF tensors are read whole, then cut (``take_shard``): the same check there."""
-    from tests.engine.test_models_gguf import _write_tiny_gguf
+    from tests.models.test_models_gguf import _write_tiny_gguf
 
     hf = copy.deepcopy(tiny_checkpoints["llama3"].hf_model)
     hf.config.intermediate_size = 64  # the metadata's feed_forward_length; tensors: 128

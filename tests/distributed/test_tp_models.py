@@ -19,7 +19,7 @@ from deepinfer.distributed.ranks import RankInfo, destroy_group, init_distribute
 from deepinfer.loading.loader import load_model
 from deepinfer.loading.safetensors_files import iter_safetensors, safetensors_files
 from deepinfer.models.tensor_parallel import TPGroup, check_tp_size
-from tests.engine.paged_sim import PagedSim
+from tests.models.paged_sim import PagedSim
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tests.distributed.run_files import ENV, ROOT
-from tests.engine.moe_checkpoints import make_moe_checkpoints
+from tests.models.moe_checkpoints import make_moe_checkpoints
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -132,7 +132,7 @@ def test_structured_output_keeps_the_overlap(tiny_checkpoints):
 
     import jsonschema
 
-    from tests.engine.structured_cases import (
+    from tests.structured.structured_cases import (
         TINY_PROMPTS,
         TINY_SCHEMA,
         record_overlap,

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from tests.engine.conftest import _tiny_configs
-from tests.engine.moe_checkpoints import moe_configs
+from tests.checkpoints import tiny_configs
+from tests.models.moe_checkpoints import moe_configs
 
 #: An ``edit_config`` value that removes the key.
 REMOVE = object()
@@ -22,7 +22,7 @@ def tiny_config(name: str, **switches: Any) -> Any:
     """The engine tests' tiny transformers config ``name`` (dense: llama3, llama_tied,
     qwen2, qwen3, mistral; MoE: qwen3_moe, mixtral, olmoe, qwen2_moe), ``switches`` set
     on it."""
-    cfg = {**_tiny_configs(), **moe_configs()}[name]
+    cfg = {**tiny_configs(), **moe_configs()}[name]
     for key, value in switches.items():
         setattr(cfg, key, value)
     return cfg

