@@ -4,7 +4,9 @@ They are the test oracle and the CPU execution backend. Shapes follow DESIGN.md:
 K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and a slot is
 ``block_id * block_size + offset``. Decode is batched over sequences (it is the CPU decode
 path of the engine); prefill loops over the sequences of a step in Python, which is fine
-for a reference and for the few prompts of a CPU prompt step.
+for a reference and for the few prompts of a CPU prompt step. The GGUF quantized-weight
+ops (``dequantize_gguf``, ``gguf_matmul``) live in ``gguf_reference`` and are re-exported
+here, so this module still holds the reference of every op.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+# Re-exported: this module holds the reference of every op.
+from deepinfer_kernels.gguf_reference import dequantize_gguf, gguf_matmul  # noqa: F401
 
 
 def store_kv(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer_kernels.gguf_blocks import BlockFormat, block_format
 from deepinfer_kernels.runtime import interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -261,3 +262,30 @@ def check_fused_moe_args(x: object, w13: object, w2: object, topk_weights: objec
         o = check_tensor("out", out, ndim=2, dtypes=(xt.dtype,), device=device,
                          last_dim_contiguous=True)
         check_shape("out", o, xt.shape)
+
+
+# --- GGUF quantized weights ---------------------------------------------------------------
+
+def check_gguf_blocks(blocks: object, qtype: object, device: torch.device | None = None
+                      ) -> tuple[torch.Tensor, BlockFormat, int]:
+    """blocks uint8 ``[N, row_bytes]`` with unit last stride, each row a whole number of
+    ``qtype`` blocks; returns ``(blocks, its format, K)``, K the weights a row holds."""
+    b = check_tensor("blocks", blocks, ndim=2, dtypes=(torch.uint8,), device=device,
+                     last_dim_contiguous=True)
+    fmt = block_format(qtype)
+    return b, fmt, fmt.row_weights(b.shape[1], name="blocks")
+
+
+def check_gguf_matmul_args(x: object, blocks: object, qtype: object, out: object
+                           ) -> tuple[torch.Tensor, torch.Tensor, BlockFormat]:
+    """The arguments of ``gguf_matmul`` (see its docstring); returns ``(x, blocks,
+    format)``."""
+    xt = check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    b, fmt, k = check_gguf_blocks(blocks, qtype, xt.device)
+    if xt.shape[1] != k:
+        fail("x", f"{k} columns (K of blocks: {b.shape[1]} bytes a row, {k} {fmt.name} "
+             "weights)", f"shape {tuple(xt.shape)}")
+    if out is not None:
+        o = check_tensor("out", out, ndim=2, dtypes=(xt.dtype,), device=xt.device)
+        check_shape("out", o, (xt.shape[0], b.shape[0]))
+    return xt, b, fmt

@@ -1,0 +1,252 @@
+"""The plain-torch GGUF oracle (``dequantize_gguf``, ``gguf_matmul``) against the ``gguf``
+package, ggml's own Python reference: every block type, blocks quantized by ``gguf``
+where it can quantize the type and random bytes where it cannot, fp16 scales that include
+negative and subnormal values, fresh inputs per case; the shared block table; bad input.
+"""
+
+from __future__ import annotations
+
+import ast
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GQ
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+import deepinfer_kernels
+from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS, BlockFormat, block_format
+from deepinfer_kernels.reference import dequantize_gguf, gguf_matmul
+from tests.kernels.helpers import DEVICE
+
+FORMATS = list(BLOCK_FORMATS.values())
+NAMES = [f.name for f in FORMATS]
+# gguf 0.19 quantizes the 32-weight types only; K-quant payloads are random bytes.
+GGUF_QUANTIZES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+# Byte offsets of each block's fp16 fields (d, and m / dmin where the type has one), from
+# ggml's block structs: where the tests write their own scales.
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def fp16_scales(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` nonzero finite fp16 values as little-endian bytes, uint8 ``[n, 2]``: random
+    signs, about a quarter subnormal (bit patterns 1..0x3FF), the rest normal in
+    [2^-14, 2^-4] (small enough that fp16 matmul outputs stay far from overflow). The
+    first is always a negative subnormal, the second a negative normal value."""
+    normal = np.exp2(rng.uniform(-14, -4, n)).astype(np.float16).view(np.uint16)
+    subnormal = rng.integers(1, 0x400, n, dtype=np.uint16)
+    bits = np.where(rng.random(n) < 0.25, subnormal, normal)
+    bits |= rng.integers(0, 2, n).astype(np.uint16) << 15
+    bits[0] = 0x8000 | subnormal[0]
+    if n > 1:
+        bits[1] = 0x8000 | normal[1]
+    return bits.astype("<u2").view(np.uint8).reshape(n, 2)
+
+
+def make_blocks(fmt: BlockFormat, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks of a ``[rows, k]`` weight, uint8 ``[rows, row_bytes]``. Where ``gguf``
+    quantizes the type: blocks of normal data, with every other block's fp16 fields
+    replaced by ``fp16_scales``; otherwise random bytes with all fp16 fields replaced (so
+    none is NaN or inf)."""
+    n_blocks = rows * k // fmt.block_weights
+    if fmt.name in GGUF_QUANTIZES:
+        data = rng.standard_normal((rows, k)).astype(np.float32)
+        raw = gguf_quantize(data, GQ(fmt.type_id)).reshape(n_blocks, fmt.block_bytes).copy()
+        mixed = raw[1::2]  # a view: the writes below land in raw
+    else:
+        raw = rng.integers(0, 256, (n_blocks, fmt.block_bytes), dtype=np.uint8)
+        mixed = raw
+    for at in FP16_FIELDS[fmt.name]:
+        mixed[:, at:at + 2] = fp16_scales(rng, mixed.shape[0])
+    return raw.reshape(rows, -1)
+
+
+def rng_for(*case: object) -> np.random.Generator:
+    """A generator seeded by the case's parameters: fresh, reproducible data per case."""
+    return np.random.default_rng(zlib.crc32(repr(case).encode()))
+
+
+# --- the block table -----------------------------------------------------------------------
+
+def test_block_table_matches_gguf():
+    assert sorted(NAMES) == sorted(FP16_FIELDS)  # the eight types of the issue
+    for fmt in FORMATS:
+        assert GQ(fmt.type_id).name == fmt.name
+        assert gguf.GGML_QUANT_SIZES[GQ(fmt.type_id)] == (fmt.block_weights, fmt.block_bytes)
+        assert block_format(GQ(fmt.type_id)) is fmt
+        assert block_format(fmt.type_id) is fmt
+
+
+def test_row_sizes_and_block_boundaries():
+    q4k = block_format(GQ.Q4_K)
+    assert q4k.row_bytes(768) == 3 * 144 and q4k.row_weights(3 * 144) == 768
+    assert q4k.bits_per_weight == 4.5
+    with pytest.raises(ValueError, match=r"^k: .*multiple of 256"):
+        q4k.row_bytes(300)
+    with pytest.raises(ValueError, match=r"^w_down: "):
+        q4k.row_bytes(0, name="w_down")
+    with pytest.raises(ValueError, match=r"^row_bytes: .*multiple of 144"):
+        q4k.row_weights(145)
+
+
+# --- dequantize_gguf -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,blocks_per_row", [(7, 5), (1, 3)])
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_equals_gguf_bit_for_bit(name: str, rows: int, blocks_per_row: int):
+    # Exact: each weight is the same one to three fp32 products / sums, in the same order,
+    # as gguf.quants computes it, and IEEE fp32 rounds them the same in numpy and torch.
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    raw = make_blocks(fmt, rows, blocks_per_row * fmt.block_weights, rng_for(name, rows))
+    want = torch.from_numpy(gguf_dequantize(raw, GQ(fmt.type_id)))
+    got = dequantize_gguf(torch.from_numpy(raw).to(DEVICE), GQ(fmt.type_id))
+    assert got.dtype == torch.float32 and got.device.type == DEVICE.type
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_strided_rows(name: str):
+    """Rows with a gap between them (row stride > row bytes) and every other row."""
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    raw = torch.from_numpy(make_blocks(fmt, 6, 2 * fmt.block_weights, rng_for(name, "s")))
+    padded = torch.cat([raw, torch.full((6, 5), 0xFF, dtype=torch.uint8)], dim=1)
+    whole = dequantize_gguf(raw, fmt.type_id)
+    torch.testing.assert_close(dequantize_gguf(padded[:, :raw.shape[1]], fmt.type_id), whole,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_gguf(raw[1::2], fmt.type_id), whole[1::2],
+                               rtol=0, atol=0)
+
+
+# --- gguf_matmul ---------------------------------------------------------------------------
+
+# Error bound on the scale of the dot products, |x| @ |W|.T: fp32 accumulation over K of
+# a few hundred stays far inside 1e-5 of it; 16-bit outputs are rounded once at the end,
+# a relative 2^-9 (bf16) or 2^-12 (fp16) of the result, inside 1e-2.
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+N = 24  # output features
+
+
+def ragged_k(fmt: BlockFormat) -> int:
+    """Several blocks, not a power of two: 11 x 32 = 352 or 3 x 256 = 768."""
+    return (11 if fmt.block_weights == 32 else 3) * fmt.block_weights
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, fmt: BlockFormat) -> None:
+    """``y`` against ``x @ W.T`` in float64, W from ``gguf.quants``."""
+    w = torch.from_numpy(gguf_dequantize(raw, GQ(fmt.type_id))).double()
+    xd = x.cpu().double()
+    want, scale = xd @ w.T, xd.abs() @ w.abs().T
+    err = (y.cpu().double() - want).abs()
+    bound = RTOL[x.dtype] * scale
+    assert bool((err <= bound).all()), \
+        f"max error / scale {float((err / scale.clamp_min(1e-30)).max()):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_matmul_matches_dequantized_product(name: str, m: int, dtype: torch.dtype):
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    rng = rng_for(name, m, str(dtype))
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, N, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(DEVICE, dtype)
+    y = gguf_matmul(x, torch.from_numpy(raw).to(DEVICE), fmt.type_id)
+    assert y.dtype == dtype and y.shape == (m, N) and y.device.type == DEVICE.type
+    check_product(y, x, raw, fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gguf_matmul_out_and_strided_x(dtype: torch.dtype):
+    """``out`` is written and returned; a transposed (non-contiguous) x is accepted."""
+    fmt = block_format(GQ.Q5_K)
+    rng = rng_for("out", str(dtype))
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, N, k, rng)
+    blocks = torch.from_numpy(raw).to(DEVICE)
+    x = torch.from_numpy(rng.standard_normal((k, 5)).astype(np.float32)).to(DEVICE, dtype).T
+    assert not x.is_contiguous()
+    out = torch.full((5, N), float("nan"), dtype=dtype, device=DEVICE)
+    assert gguf_matmul(x, blocks, fmt.type_id, out=out) is out
+    check_product(out, x, raw, fmt)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def _u8(*shape: int) -> torch.Tensor:
+    return torch.ones(shape, dtype=torch.uint8, device=DEVICE)
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.ones(shape, device=DEVICE).to(dtype)
+
+
+Q8, Q4K = int(GQ.Q8_0), int(GQ.Q4_K)
+BAD_INPUTS: dict[str, tuple[str, Callable[[], object]]] = {
+    # a row that is not a whole number of blocks
+    "row_bytes_q8": ("blocks", lambda: dequantize_gguf(_u8(2, 35), Q8)),
+    "row_bytes_k": ("blocks", lambda: dequantize_gguf(_u8(2, 144 + 32), Q4K)),
+    "row_bytes_empty": ("blocks", lambda: dequantize_gguf(_u8(2, 0), Q8)),
+    "row_bytes_matmul": ("blocks", lambda: gguf_matmul(_x(1, 32), _u8(3, 33), Q8)),
+    # not raw bytes
+    "blocks_int8": ("blocks", lambda: dequantize_gguf(_u8(2, 34).to(torch.int8), Q8)),
+    "blocks_1d": ("blocks", lambda: dequantize_gguf(_u8(34), Q8)),
+    "blocks_numpy": ("blocks", lambda: dequantize_gguf(np.ones((2, 34), np.uint8), Q8)),
+    "blocks_strided_bytes": ("blocks", lambda: dequantize_gguf(_u8(34, 2).T, Q8)),
+    # unknown types
+    "qtype_unknown": ("qtype", lambda: dequantize_gguf(_u8(2, 34), 99)),
+    "qtype_f16": ("qtype", lambda: dequantize_gguf(_u8(2, 34), int(GQ.F16))),
+    "qtype_q2_k": ("qtype", lambda: dequantize_gguf(_u8(2, 84), int(GQ.Q2_K))),
+    "qtype_name": ("qtype", lambda: dequantize_gguf(_u8(2, 34), "Q8_0")),
+    "qtype_bool": ("qtype", lambda: dequantize_gguf(_u8(2, 18), True)),
+    "qtype_matmul": ("qtype", lambda: gguf_matmul(_x(1, 32), _u8(3, 34), 99)),
+    # x
+    "k_mismatch": ("x", lambda: gguf_matmul(_x(3, 64), _u8(4, 3 * 34), Q8)),
+    "k_mismatch_k": ("x", lambda: gguf_matmul(_x(3, 512), _u8(4, 144), Q4K)),
+    "x_int": ("x", lambda: gguf_matmul(_x(3, 32, dtype=torch.int32), _u8(4, 34), Q8)),
+    "x_1d": ("x", lambda: gguf_matmul(_x(32), _u8(4, 34), Q8)),
+    # out
+    "out_shape": ("out", lambda: gguf_matmul(_x(3, 32), _u8(4, 34), Q8, out=_x(4, 3))),
+    "out_dtype": ("out", lambda: gguf_matmul(_x(3, 32), _u8(4, 34), Q8,
+                                             out=_x(3, 4, dtype=torch.bfloat16))),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_names_the_argument(case: str):
+    name, call = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=rf"^{name}: expected "):
+        call()
+
+
+def test_error_messages_say_what_was_expected():
+    with pytest.raises(ValueError, match=r"multiple of 34 \(whole Q8_0 blocks\), got 35"):
+        dequantize_gguf(_u8(2, 35), Q8)
+    with pytest.raises(ValueError, match=r"Q4_K=12.*got 99"):
+        dequantize_gguf(_u8(2, 34), 99)
+    with pytest.raises(ValueError, match=r"^x: expected 96 columns .*got shape \(3, 64\)"):
+        gguf_matmul(_x(3, 64), _u8(4, 3 * 34), Q8)
+
+
+def test_kernel_package_does_not_import_gguf():
+    """The kernels run from raw bytes and the block table: ``gguf`` is a test-time and
+    loader dependency only."""
+    root = Path(deepinfer_kernels.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "gguf"]
+    assert not offenders
