@@ -165,3 +165,34 @@ def test_without_huggingface_kernels_the_checkout_folder_is_an_empty_namespace()
     res = _python(code, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ImportError"
+
+
+def test_the_hand_over_loads_nothing_of_deepinfer(tmp_path):
+    """Imported as ``kernels``, the folder hands over and stops there: no deepinfer kernel
+    module, no TRITON_INTERPRET set for the process, and it works where deepinfer is not
+    installed at all (``-S``: no editable finder)."""
+    pytest.importorskip("kernels")
+    site = Path(pytest.importorskip("torch").__file__).resolve().parents[1]
+    code = (f"import os, sys; sys.path[:0] = [{str(ROOT)!r}]; sys.path.append({str(site)!r})\n"
+            "import kernels\n"
+            "print(os.environ.get('TRITON_INTERPRET'), "
+            "any(m.startswith('deepinfer') for m in sys.modules), kernels.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    interpret, deepinfer_loaded, path = res.stdout.split()
+    assert (interpret, deepinfer_loaded) == ("None", "False")
+    assert not Path(path).is_relative_to(ROOT / "kernels")
+
+
+def test_the_checkout_reached_twice_through_a_link_hands_over_once(tmp_path):
+    pytest.importorskip("kernels")
+    link = tmp_path / "checkout"
+    link.symlink_to(ROOT, target_is_directory=True)
+    code = (f"import sys; sys.path[:0] = [{str(link)!r}, {str(ROOT)!r}]\n"
+            "import kernels\n"
+            "print(kernels.__file__)\n")
+    res = _python(code, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "kernels" in res.stdout and "checkout" not in res.stdout
