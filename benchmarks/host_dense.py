@@ -1,6 +1,7 @@
 """The dense floor of ``bench_host.py``: the tiny model's decode step as plain torch over a
 dense ``[B, ctx]`` KV cache (embed, RMSNorm, qkv, RoPE, SDPA, o_proj, MLP, norm, lm head,
-argmax) with the loaded model's own weights, the least any CPU forward can cost."""
+argmax) with the loaded model's own layers (weights as loaded, GGUF blocks included), the
+least any CPU forward can cost."""
 
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ def dense_step(model, kc: list[torch.Tensor], vc: list[torch.Tensor], pos: int,
     greedy next tokens ``[B]``. Uses the model's own weights."""
     cfg = model.config
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = F.embedding(tok, model.model.embed_tokens.weight)
+    x = model.model.embed_tokens(tok)
     cos, sin = model.rotary.cos_sin_cache[pos].chunk(2, dim=-1)
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
         y = _rms(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        q, k, v = F.linear(y, a.qkv_proj.weight, a.qkv_proj.bias).split(
+        q, k, v = a.qkv_proj(y).split(
             [h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(-1, h, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         if a.q_norm is not None:
@@ -46,12 +47,12 @@ def dense_step(model, kc: list[torch.Tensor], vc: list[torch.Tensor], pos: int,
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kc[i][:, :, :pos + 1], vc[i][:, :, :pos + 1],
             scale=a.attn.scale, enable_gqa=h != hkv)
-        x = x + F.linear(o.reshape(-1, h * d), a.o_proj.weight)
+        x = x + a.o_proj(o.reshape(-1, h * d))
         y = _rms(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        gate, up = F.linear(y, layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        gate, up = layer.mlp.gate_up_proj(y).chunk(2, dim=-1)
+        x = x + layer.mlp.down_proj(F.silu(gate) * up)
     x = _rms(x, model.model.norm.weight, model.model.norm.eps)
-    return F.linear(x, model.lm_head_weight).float().argmax(-1)
+    return model.compute_logits(x).argmax(-1)
 
 
 def dense_runner(model, num_seqs: int, steps: int, seed: int) -> Callable[[], None]:
@@ -59,7 +60,7 @@ def dense_runner(model, num_seqs: int, steps: int, seed: int) -> Callable[[], No
     same position, from PROMPT_LEN on (the cache before it holds random K/V); the position
     wraps back after ``steps + 2`` calls."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = model.activation_dtype
     ctx = PROMPT_LEN + steps + 4
     g = torch.Generator().manual_seed(seed)
     shape = (num_seqs, cfg.num_kv_heads, ctx, cfg.head_dim)

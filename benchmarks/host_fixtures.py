@@ -109,7 +109,7 @@ class zero_forward:
 
     def __enter__(self) -> None:
         hidden = self.model.config.hidden_size
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.model.activation_dtype
         self.model.forward = lambda ids, *a, **k: torch.zeros(ids.shape[0], hidden,
                                                               dtype=dtype)
 

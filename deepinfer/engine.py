@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
+from deepinfer.models.quantized import weight_bytes
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request_state import AdmissionLimits, RequestState, SampleState, SequenceExport
 from deepinfer.sampling.params import SamplingParams
@@ -66,6 +67,8 @@ class LLMEngine:
         worker = build_worker(args, tp, capture_graphs=engine_type is not EngineType.PROMPT)
         self.device, self.backend = worker.device, worker.backend
         self.model_path, self.model = worker.model_path, worker.model
+        # Resident weights of this process's model (a GGUF file's blocks where kept).
+        self.weight_bytes = weight_bytes(self.model)
         self.model_config: ModelConfig = worker.config
         cfg = self.model_config
         self.dtype, self.max_model_len = worker.dtype, worker.max_model_len

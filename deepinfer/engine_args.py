@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: ``quantization``: keep a GGUF file's block weights where a kernel exists, or dequantize.
+QUANTIZATION_CHOICES = ("auto", "none")
+
 
 def option(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
            flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -36,6 +39,10 @@ class EngineArgs:
                         "bfloat16 (auto: the checkpoint's on CUDA, bf16 for GGUF; on CPU "
                         "bf16 for GGUF/bf16 checkpoints where the CPU has native bf16, "
                         "else float32)")
+    quantization: str = option(
+        "auto", "GGUF weights: auto keeps them as stored (4-8 bits) where the device has a "
+        "kernel for the type (CPU: every type), dequantizing the others with a warning; "
+        "none dequantizes every tensor at load", choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
     attention_backend: str = option(
         "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",
@@ -72,6 +79,9 @@ class EngineArgs:
             raise ValueError(
                 f"dtype={self.dtype!r}: expected auto, float32, float16 or bfloat16"
             )
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization={self.quantization!r}: expected one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

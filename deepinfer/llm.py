@@ -55,6 +55,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of model weights this process holds (GGUF blocks as stored where kept
+        quantized; this rank's shard under tensor parallelism)."""
+        return self.engine.weight_bytes
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent; nothing to do without)."""
         if self._followers is None:

@@ -111,7 +111,8 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     backend = resolve_backend(args.attention_backend, device)
     path = resolve_model_path(args.model)
     group = tp.group if tp is not None else SINGLE
-    model, cfg = load_model(path, dtype=args.dtype, device=str(device), tp=group)
+    model, cfg = load_model(path, dtype=args.dtype, device=str(device), tp=group,
+                            quantization=args.quantization)
     max_len = model_len_limit(cfg, args.max_model_len)
     on_cuda = device.type == "cuda"
     spec = KVCacheSpec(
@@ -122,7 +123,7 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    dtype = next(model.parameters()).dtype
+    dtype = model.activation_dtype
     # Only the Triton ops are graph-safe: the torch reference's ops sync the host
     # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
     triton = isinstance(backend, ModuleType) and backend.__name__ == "deepinfer_kernels"

@@ -27,6 +27,9 @@ Prefill stays a Python loop over the step's sequences (a CPU prompt step holds f
 with a causal SDPA that needs no materialised mask when a sequence has no cached prefix,
 and K/V expanded (a stride-0 view, no copy) over the query heads of each KV head.
 
+The norms, RoPE and SiLU-and-mul are one C call each (``cpu_layer_ops``): in torch they
+are ~40 small ops a layer, most of a decode step's time once the weights are small.
+
 ``store_kv`` skips the reference's padding filter (two boolean-index copies) when no slot
 is negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
 ``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
@@ -38,24 +41,20 @@ expert (one matmul pair per expert that got a token, no per-token loop).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import cpu_native, reference
+from deepinfer_kernels.cpu_layer_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from deepinfer_kernels.reference import (
-    add_rms_norm,
     clone_blocks,
     clone_states,
     fused_moe,
     moe_route,
-    rms_norm,
-    rotary_qk,
     sample_tokens,
-    silu_and_mul,
     zero_states,
 )
+from deepinfer_kernels.workspace import scratch
 
 __all__ = [
     "store_kv",
@@ -79,29 +78,6 @@ __all__ = [
 # overhead, 16 MiB falls out of cache and costs ~1.3x; 1-8 MiB are within noise of each
 # other, 4 MiB was best or near it on every case.
 _CHUNK_BYTES = 4 << 20
-
-_workspace = threading.local()
-
-
-def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat per-thread scratch tensor of at least ``numel`` elements, kept across calls.
-
-    Grown (never shrunk) on demand; per thread so that calls running concurrently in two
-    threads never share one. Its contents are garbage on entry.
-    """
-    bufs: dict[tuple[str, torch.dtype], torch.Tensor] | None = getattr(
-        _workspace, "bufs", None)
-    if bufs is None:
-        bufs = _workspace.bufs = {}
-    buf = bufs.get((name, dtype))
-    if buf is None or buf.numel() < numel:
-        # A normal tensor even when first asked for under inference_mode: an inference
-        # tensor could not be written by a later call outside it.
-        with torch.inference_mode(False):
-            buf = torch.empty(numel, dtype=dtype)
-        bufs[(name, dtype)] = buf
-    return buf[:numel]
-
 
 def store_kv(
     k: torch.Tensor,
@@ -208,12 +184,12 @@ def gathered_decode_attention(
     min_seqs = min(b, -(-torch.get_num_threads() // hkv))
     tok_bytes = 2 * row * k_cache.element_size()
     chunk_tokens = max(_CHUNK_BYTES // tok_bytes, min_seqs * width * block_size)
-    k_ws = _buffer("k", chunk_tokens * row, k_cache.dtype)
-    v_ws = _buffer("v", chunk_tokens * row, k_cache.dtype)
+    k_ws = scratch("k", chunk_tokens * row, k_cache.dtype)
+    v_ws = scratch("v", chunk_tokens * row, k_cache.dtype)
     upcast = k_cache.dtype != torch.float32
     if upcast:
-        k_ws32 = _buffer("k32", chunk_tokens * row, torch.float32)
-        v_ws32 = _buffer("v32", chunk_tokens * row, torch.float32)
+        k_ws32 = scratch("k32", chunk_tokens * row, torch.float32)
+        v_ws32 = scratch("v32", chunk_tokens * row, torch.float32)
 
     i = 0
     while i < b:

@@ -35,7 +35,23 @@ from deepinfer_kernels.validation import check_out
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# One library of all the C kernels: paged decode attention, the GGUF block matmul, the
+# decoder layer's elementwise ops.
+SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "layer_ops_cpu.c")
+_I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+# Every exported function's argument types (all return int64: 0 or an error code).
+_SIGNATURES = {
+    "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 3,
+    "gguf_matmul_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR, _I64,
+                        _I32, _I32],
+    "gguf_dequantize_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _I32],
+    "rms_norm_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32,
+                     _I32, _I32],
+    "rotary_qk_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+                      _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32, _I32, _I32],
+    "silu_and_mul_cpu": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32],
+}
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64
 _MAX_DIM = 512
@@ -70,13 +86,13 @@ def _cpu_signature() -> str:
 
 
 def _compile(cc: str, flags: list[str], out: Path) -> str | None:
-    """Compiles SOURCE into ``out`` (atomically); returns None or the compiler's error."""
+    """Compiles SOURCES into ``out`` (atomically); returns None or the compiler's error."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         # CC may hold a launcher or flags ("ccache gcc"), as make reads it.
-        proc = subprocess.run([*shlex.split(cc), *flags, "-o", tmp, str(SOURCE)],
+        proc = subprocess.run([*shlex.split(cc), *flags, "-o", tmp, *map(str, SOURCES)],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return (proc.stderr or proc.stdout).strip()[-2000:]
@@ -98,13 +114,13 @@ def native_library() -> ctypes.CDLL | None:
         warnings.warn("no C compiler found (set CC): the CPU backend runs its torch path, "
                       "a few times slower at decode", RuntimeWarning, stacklevel=2)
         return None
-    source = SOURCE.read_bytes()
+    source = b"\0".join(src.read_bytes() for src in SOURCES)
     err = None
     for flags in _FLAG_SETS:
         key = hashlib.sha256(b"\0".join([
             source, " ".join(flags).encode(), cc.encode(), platform.machine().encode(),
             _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
-        path = _cache_dir() / f"paged_decode_cpu-{key}.so"
+        path = _cache_dir() / f"deepinfer_cpu-{key}.so"
         if not path.exists():
             try:
                 err = _compile(cc, flags, path)
@@ -117,10 +133,9 @@ def native_library() -> ctypes.CDLL | None:
         except OSError as exc:
             err = str(exc)
             continue
-        fn = lib.paged_decode_attention_cpu
-        fn.restype = ctypes.c_int64
-        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
-                       + [ctypes.c_int32] * 3)
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = _I64, argtypes
         return lib
     warnings.warn(f"could not build the native CPU kernels with {cc} ({err}): the CPU "
                   "backend runs its torch path, a few times slower at decode",

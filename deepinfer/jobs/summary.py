@@ -21,6 +21,7 @@ class RunSummary:
     preemptions: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_queries: int = 0
+    weight_bytes: int = 0  # resident model weights (summed over ranks: each holds its own)
     elapsed: float = 0.0
 
     @classmethod
@@ -29,7 +30,7 @@ class RunSummary:
         st, sst = engine.stats, engine.scheduler.stats
         return cls(num_ok, failed, st.prompt_tokens, st.generated_tokens,
                    sst.num_preemptions, sst.prefix_cache_hits, sst.prefix_cache_queries,
-                   elapsed)
+                   engine.weight_bytes, elapsed)
 
     @classmethod
     def from_dict(cls, d: dict) -> RunSummary:
@@ -67,5 +68,6 @@ class RunSummary:
             f"done: {self.num_ok} requests ok, {self.failed} failed | prompt {prompt} tok, "
             f"generated {gen} tok in {elapsed:.1f}s "
             f"({gen / elapsed:.1f} tok/s out, {(prompt + gen) / elapsed:.1f} tok/s total) | "
-            f"preemptions {self.preemptions} | prefix-cache hit rate {rate:.1%}"
+            f"preemptions {self.preemptions} | prefix-cache hit rate {rate:.1%} | "
+            f"weights {self.weight_bytes / 1e6:.1f} MB"
         )

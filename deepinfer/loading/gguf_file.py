@@ -20,7 +20,7 @@ names the model's loader places.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 from deepinfer.config import ModelConfig
 from deepinfer.loading.gguf_dequant import dequantize
 from deepinfer.loading.gguf_reader import GGUFFile
+from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 
 Q = GGMLQuantizationType
 
@@ -153,15 +154,44 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{kind}"
 
 
-def iter_gguf(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight, q/k rows un-permuted, stacked
-    experts one slice each."""
+def quantized_plan(gguf: GGUFFile, kernel_types: frozenset[int]
+                   ) -> tuple[dict[str, int], set[str]]:
+    """Which weights can stay GGUF blocks: ``({hf_name: ggml type id}, names of the block
+    types found without a kernel)``. Candidates are the 2-D weights of block types (not
+    F32/F16/BF16) that land in one Linear or embedding: experts (stacked or one tensor
+    each) and Qwen2-MoE's vector-shaped shared-expert gate are left out; a candidate
+    whose type is not in ``kernel_types`` is dequantized instead."""
+    plan: dict[str, int] = {}
+    missing: set[str] = set()
+    for t in gguf.tensors:
+        qtype = Q(t.tensor_type)
+        if int(qtype) not in BLOCK_FORMATS or len(t.shape) != 2:
+            continue
+        name = hf_name(t.name)
+        if (name is None or "{}" in name or ".experts." in name
+                or name.endswith("shared_expert_gate.weight")):
+            continue
+        if int(qtype) in kernel_types:
+            plan[name] = int(qtype)
+        else:
+            missing.add(qtype.name)
+    return plan, missing
+
+
+def iter_gguf(gguf: GGUFFile, cfg: ModelConfig, keep: Container[str] = ()
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight, q/k rows un-permuted, stacked experts
+    one slice each: float32, or for the names in ``keep`` the raw blocks, uint8
+    ``[rows, row_bytes]`` (a copy: the file's map is not held)."""
     llama = gguf.metadata["general.architecture"] == "llama"
     for t in gguf.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(np.ascontiguousarray(tensor_to_numpy(t)))
+        if name in keep:
+            w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        else:
+            w = torch.from_numpy(np.ascontiguousarray(tensor_to_numpy(t)))
         if llama and ".q_proj." in name:
             w = unpermute_rotary(w, cfg.num_heads)
         elif llama and ".k_proj." in name:

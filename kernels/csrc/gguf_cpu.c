@@ -1,0 +1,412 @@
+/* GGUF block weights on the CPU: a matmul that reads the weights as stored in the file
+ * (4-8 bits a weight) and a dequantization for the rows that must be whole (embedding
+ * rows, the large-batch path that hands a dense tile to the BLAS).
+ *
+ * Built with paged_decode_cpu.c into one library by kernels/cpu_native.py (no torch
+ * headers). Layouts as in kernels/gguf_blocks.py; the type ids are ggml's.
+ *   x    [M, K]       float32, rows `ldx` floats apart
+ *   w    [N, row]     uint8 blocks, rows `ldw` bytes apart, row = K / bw * bytes
+ *   out  [M, N]       float32, rows `ldo` floats apart
+ *
+ * Why decode a whole weight row into a float buffer first, then dot it with every x row:
+ * a row's blocks are decoded once whatever M is (the decode costs more than the FMAs at
+ * small M), the buffer stays in L1/L2, and the dot loop is the same for every type.
+ * The products are summed in fp32 in 16 lanes, then across lanes: not the order of a
+ * BLAS, so results agree with dequantize + matmul to fp32 rounding, not bit for bit.
+ * Output rows are split across OpenMP threads (torch's own libgomp pool).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define BAD_TYPE 1
+#define BAD_SHAPE 2
+#define NO_MEMORY 3
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+static const v16u LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* IEEE half -> float, subnormals included (they occur as block scales). */
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h); /* one instruction, exact, subnormals included */
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Unaligned vector loads and stores through may_alias types: one vector move each. (A
+ * memcpy into a byte vector was split by GCC 12 into byte loads and inserts when two
+ * such loads were adjacent, as in Q8_0, making that type 4x slower.) */
+typedef v16u8 v16u8_u __attribute__((aligned(1), may_alias));
+typedef v16f v16f_u __attribute__((aligned(4), may_alias));
+
+static inline v16u8 bytes16(const uint8_t *p) { return *(const v16u8_u *)p; }
+
+static inline void put(float *dst, v16f v) { *(v16f_u *)dst = v; }
+
+static inline v16f get(const float *src) { return *(const v16f_u *)src; }
+
+static inline v16f u8f(v16u8 v) { return __builtin_convertvector(v, v16f); }
+static inline v16i u8i(v16u8 v) { return __builtin_convertvector(v, v16i); }
+
+/* Weights 0-15 and 16-31 of a 32-weight block: the low and high nibbles of 16 bytes. */
+static inline void nibbles(const uint8_t *qs, v16i *lo, v16i *hi) {
+    v16u8 q = bytes16(qs);
+    *lo = u8i(q & 0x0F);
+    *hi = u8i(q >> 4);
+}
+
+/* Bit 4 of weights 0-15 and 16-31 of a Q5 block from its little-endian u32 `qh`. */
+static inline void fifth_bits(const uint8_t *p, v16i *lo, v16i *hi) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    v16u all = (v16u){0} + qh;
+    *lo = (v16i)(((all >> LANE) & 1u) << 4);
+    *hi = (v16i)(((all >> (LANE + 16u)) & 1u) << 4);
+}
+
+/* 16 signed bytes at p widened to int32. GCC 12 turns a signed-byte vector conversion
+ * (and the unsigned one with the sign restored) into byte-by-byte loads and inserts,
+ * which made Q8_0 4x slower than the 4-bit types: with AVX-512 the one instruction that
+ * does it is named. */
+static inline v16i i8i(const uint8_t *p) {
+#ifdef __AVX512F__
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    v16i r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+#else
+    return (u8i(bytes16(p)) ^ 0x80) - 0x80;
+#endif
+}
+
+static inline void decode_q8_0(const uint8_t *b, float *w) {
+    float d = half(b);
+    put(w, __builtin_convertvector(i8i(b + 2), v16f) * d);
+    put(w + 16, __builtin_convertvector(i8i(b + 18), v16f) * d);
+}
+
+static inline void decode_q4_0(const uint8_t *b, float *w) {
+    float d = half(b);
+    v16i lo, hi;
+    nibbles(b + 2, &lo, &hi);
+    put(w, __builtin_convertvector(lo - 8, v16f) * d);
+    put(w + 16, __builtin_convertvector(hi - 8, v16f) * d);
+}
+
+static inline void decode_q4_1(const uint8_t *b, float *w) {
+    float d = half(b), m = half(b + 2);
+    v16i lo, hi;
+    nibbles(b + 4, &lo, &hi);
+    put(w, __builtin_convertvector(lo, v16f) * d + m);
+    put(w + 16, __builtin_convertvector(hi, v16f) * d + m);
+}
+
+static inline void decode_q5_0(const uint8_t *b, float *w) {
+    float d = half(b);
+    v16i lo, hi, h0, h1;
+    nibbles(b + 6, &lo, &hi);
+    fifth_bits(b + 2, &h0, &h1);
+    put(w, __builtin_convertvector((lo | h0) - 16, v16f) * d);
+    put(w + 16, __builtin_convertvector((hi | h1) - 16, v16f) * d);
+}
+
+static inline void decode_q5_1(const uint8_t *b, float *w) {
+    float d = half(b), m = half(b + 2);
+    v16i lo, hi, h0, h1;
+    nibbles(b + 8, &lo, &hi);
+    fifth_bits(b + 4, &h0, &h1);
+    put(w, __builtin_convertvector(lo | h0, v16f) * d + m);
+    put(w + 16, __builtin_convertvector(hi | h1, v16f) * d + m);
+}
+
+/* Q4_K/Q5_K: the 6-bit scale and min of sub-block j from the 12 bytes at `s`. */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (qh NULL) and Q5_K: four groups of 32 bytes, each group's low nibbles then its
+ * high nibbles being two consecutive sub-blocks of 32; Q5_K's bit 4 of weight i of
+ * sub-block j is bit j of qh[i]. */
+static inline void decode_k_affine(const uint8_t *b, const uint8_t *qh, const uint8_t *qs,
+                            float *w) {
+    float d = half(b), dmin = half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        float step = d * (float)sc, low = dmin * (float)mn;
+        const uint8_t *q = qs + 32 * (j / 2);
+        int shift = 4 * (j % 2);
+        for (int half16 = 0; half16 < 2; half16++) {
+            v16i v = u8i((bytes16(q + 16 * half16) >> shift) & 0x0F);
+            if (qh) {
+                v16i h = u8i((bytes16(qh + 16 * half16) >> j) & 1);
+                v |= h << 4;
+            }
+            put(w + 32 * j + 16 * half16, step * __builtin_convertvector(v, v16f) - low);
+        }
+    }
+}
+
+static inline void decode_q4_k(const uint8_t *b, float *w) { decode_k_affine(b, NULL, b + 16, w); }
+
+static inline void decode_q5_k(const uint8_t *b, float *w) { decode_k_affine(b, b + 16, b + 48, w); }
+
+/* Q6_K: two halves of 128 weights; chunk c (32 weights) of half h takes the low or high
+ * nibbles of ql[64h + 32(c % 2) ...] and bit pair c of qh[32h ...]; sixteen sub-blocks
+ * of 16 with int8 scales. */
+static inline void decode_q6_k(const uint8_t *b, float *w) {
+    float d = half(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192);
+    for (int h = 0; h < 2; h++) {
+        for (int c = 0; c < 4; c++) {
+            for (int half16 = 0; half16 < 2; half16++) {
+                const uint8_t *ql = b + 64 * h + 32 * (c % 2) + 16 * half16;
+                const uint8_t *qh = b + 128 + 32 * h + 16 * half16;
+                v16i lo = u8i((bytes16(ql) >> (4 * (c / 2))) & 0x0F);
+                v16i hi = u8i((bytes16(qh) >> (2 * c)) & 3);
+                v16i q = (lo | (hi << 4)) - 32;
+                int sub = 8 * h + 2 * c + half16;
+                float step = d * (float)scales[sub];
+                put(w + 128 * h + 32 * c + 16 * half16, step * __builtin_convertvector(q, v16f));
+            }
+        }
+    }
+}
+
+typedef struct {
+    int32_t type_id, block_weights, block_bytes;
+} format;
+
+static const format FORMATS[] = {
+    {2, 32, 18}, {3, 32, 20},   {6, 32, 22},    {7, 32, 24},
+    {8, 32, 34}, {12, 256, 144}, {13, 256, 176}, {14, 256, 210},
+};
+
+static const format *find_format(int32_t qtype) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+        if (FORMATS[i].type_id == qtype) return &FORMATS[i];
+    return NULL;
+}
+
+/* Shapes the kernels accept: a known type, K a positive multiple of its block. */
+static const format *check(int32_t qtype, int64_t k, int64_t *rc) {
+    const format *f = find_format(qtype);
+    if (!f) {
+        *rc = BAD_TYPE;
+        return NULL;
+    }
+    if (k <= 0 || k % f->block_weights) {
+        *rc = BAD_SHAPE;
+        return NULL;
+    }
+    *rc = 0;
+    return f;
+}
+
+/* Each per-type loop below is written out per type through these macros (a switch
+ * outside the loop, direct calls inside): the decoders inline into the loop and keep
+ * their vectors in registers. Through a function pointer each block cost a call and a
+ * round trip through memory, which made the matmul compute-bound at ~3 GB/s. */
+#define EACH_TYPE(CASE)                                                                   \
+    CASE(2, decode_q4_0, 32, 18)                                                          \
+    CASE(3, decode_q4_1, 32, 20)                                                          \
+    CASE(6, decode_q5_0, 32, 22)                                                          \
+    CASE(7, decode_q5_1, 32, 24)                                                          \
+    CASE(8, decode_q8_0, 32, 34)                                                          \
+    CASE(12, decode_q4_k, 256, 144)                                                       \
+    CASE(13, decode_q5_k, 256, 176)                                                       \
+    CASE(14, decode_q6_k, 256, 210)
+
+/* The nb blocks of one row decoded into w (nb * block_weights floats). */
+static void decode_row(int32_t qtype, const uint8_t *row, int64_t nb, float *w) {
+#define DECODE_CASE(ID, FN, BW, BB)                                                       \
+    case ID:                                                                              \
+        for (int64_t b = 0; b < nb; b++) FN(row + b * BB, w + b * BW);                    \
+        break;
+    switch (qtype) { EACH_TYPE(DECODE_CASE) }
+#undef DECODE_CASE
+}
+
+static inline float hsum(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* One weight row against one x row, block by block: each block decoded into a buffer
+ * that stays in L1 (in registers, once inlined) and multiplied at once. */
+static float dot_row(int32_t qtype, const uint8_t *row, int64_t nb, const float *x) {
+    v16f a0 = {0}, a1 = {0};
+    float buf[256] __attribute__((aligned(64)));
+#define DOT_CASE(ID, FN, BW, BB)                                                          \
+    case ID:                                                                              \
+        for (int64_t b = 0; b < nb; b++) {                                                \
+            FN(row + b * BB, buf);                                                        \
+            const float *xb = x + b * BW;                                                 \
+            for (int c = 0; c < BW; c += 32) {                                            \
+                a0 += get(buf + c) * get(xb + c);                                         \
+                a1 += get(buf + c + 16) * get(xb + c + 16);                               \
+            }                                                                             \
+        }                                                                                 \
+        break;
+    switch (qtype) { EACH_TYPE(DOT_CASE) }
+#undef DOT_CASE
+    return hsum(a0 + a1);
+}
+
+/* float -> bfloat16, round to nearest even (NaN kept a NaN). */
+static inline uint16_t to_bf16(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+static inline void put_out(void *out, int64_t at, float v, int out_bf16) {
+    if (out_bf16)
+        ((uint16_t *)out)[at] = to_bf16(v);
+    else
+        ((float *)out)[at] = v;
+}
+
+/* A decoded row w (k floats, k a multiple of 32) against four x rows `ldx` apart: four
+ * accumulators share each load of w. */
+static inline void dot4(const float *w, int64_t k, const float *x, int64_t ldx, float r[4]) {
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t i = 0; i < k; i += 16) {
+        v16f wv = get(w + i);
+        a0 += wv * get(x + i);
+        a1 += wv * get(x + ldx + i);
+        a2 += wv * get(x + 2 * ldx + i);
+        a3 += wv * get(x + 3 * ldx + i);
+    }
+    r[0] = hsum(a0);
+    r[1] = hsum(a1);
+    r[2] = hsum(a2);
+    r[3] = hsum(a3);
+}
+
+static inline float dot1(const float *w, int64_t k, const float *x) {
+    v16f a0 = {0}, a1 = {0};
+    for (int64_t i = 0; i < k; i += 32) {
+        a0 += get(w + i) * get(x + i);
+        a1 += get(w + i + 16) * get(x + i + 16);
+    }
+    return hsum(a0 + a1);
+}
+
+/* x is float32, or bfloat16 when x_bf16 (widened once into a float32 copy: M x K is
+ * small next to the weights); out likewise with out_bf16. One x row: each weight row is
+ * decoded block by block into the dot product. More: each weight row is decoded once
+ * into a buffer, then dotted with the x rows four at a time. */
+int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
+                        const uint8_t *w, int64_t n, int64_t ldw, int32_t qtype, void *out,
+                        int64_t ldo, int32_t out_bf16, int32_t threads) {
+    int64_t rc;
+    const format *f = check(qtype, k, &rc);
+    if (!f) return rc;
+    int64_t nb = k / f->block_weights;
+    const float *xf = (const float *)x;
+    float *wide = NULL;
+    if (x_bf16) {
+        wide = malloc((size_t)(m * k) * sizeof(float));
+        if (!wide) return NO_MEMORY;
+        for (int64_t r = 0; r < m; r++) {
+            const uint16_t *src = (const uint16_t *)x + r * ldx;
+            for (int64_t i = 0; i < k; i++) {
+                uint32_t b = (uint32_t)src[i] << 16;
+                memcpy(&wide[r * k + i], &b, 4);
+            }
+        }
+        xf = wide;
+        ldx = k;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        /* 64-byte aligned so the 16-float loads stay within one cache line. A thread
+         * without its buffer still takes part in the loop (every thread must), idle. */
+        float *row = m > 1 ? aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64)) : NULL;
+        failed = m > 1 && row == NULL;
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *wj = w + j * ldw;
+            if (m == 1) {
+                put_out(out, j, dot_row(qtype, wj, nb, xf), out_bf16);
+                continue;
+            }
+            if (!row) continue;
+            decode_row(qtype, wj, nb, row);
+            int64_t r = 0;
+            for (; r + 4 <= m; r += 4) {
+                float v[4];
+                dot4(row, k, xf + r * ldx, ldx, v);
+                for (int i = 0; i < 4; i++) put_out(out, (r + i) * ldo + j, v[i], out_bf16);
+            }
+            for (; r < m; r++) put_out(out, r * ldo + j, dot1(row, k, xf + r * ldx), out_bf16);
+        }
+        free(row);
+    }
+    free(wide);
+    return failed ? NO_MEMORY : 0;
+}
+
+/* Rows of w decoded into out [N, K] (rows `ldo` elements apart): float32, or bfloat16
+ * when out_bf16. */
+int64_t gguf_dequantize_cpu(const uint8_t *w, int64_t n, int64_t k, int64_t ldw,
+                            int32_t qtype, void *out, int64_t ldo, int32_t out_bf16,
+                            int32_t threads) {
+    int64_t rc;
+    const format *f = check(qtype, k, &rc);
+    if (!f) return rc;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *row = out_bf16 ? aligned_alloc(64, (size_t)((k * 4 + 63) / 64 * 64)) : NULL;
+        failed = out_bf16 && row == NULL;
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            if (!out_bf16) {
+                decode_row(qtype, w + j * ldw, k / f->block_weights, (float *)out + j * ldo);
+            } else if (row) {
+                decode_row(qtype, w + j * ldw, k / f->block_weights, row);
+                uint16_t *dst = (uint16_t *)out + j * ldo;
+                for (int64_t i = 0; i < k; i++) dst[i] = to_bf16(row[i]);
+            }
+        }
+        free(row);
+    }
+    return failed ? NO_MEMORY : 0;
+}

@@ -1,0 +1,130 @@
+"""The native CPU kernels for GGUF weights (``deepinfer_kernels.cpu_gguf``) against the
+dequantized product: every block type, random blocks with negative and subnormal fp16
+scales, fresh data per case, poisoned outputs, both paths (the C matmul below
+``LARGE_M`` rows, dequantized tiles + BLAS from it), and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GQ
+from gguf.quants import dequantize as gguf_dequantize
+
+from deepinfer_kernels import cpu_gguf, gguf_kernels
+from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS, block_format
+from tests.kernels.test_gguf_reference import NAMES, make_blocks, ragged_k, rng_for
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(),
+                                reason="native CPU kernels not built (no C compiler)")
+
+# The issue's bounds, relative to |x| @ |W|.T (the size of the terms summed): fp32
+# accumulation in another order than the float64 reference, then one rounding to x's dtype.
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+N = 24
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int) -> None:
+    w = torch.from_numpy(gguf_dequantize(raw, GQ(qtype))).double()
+    xd = x.double()
+    want, scale = xd @ w.T, xd.abs() @ w.abs().T
+    err = (y.double() - want).abs()
+    assert bool((err <= RTOL[x.dtype] * scale).all()), \
+        f"max error / scale {float((err / scale.clamp_min(1e-30)).max()):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("name", NAMES)
+def test_matmul_matches_dequantized_product(name: str, m: int, dtype: torch.dtype):
+    """M = 1, 16, 17 take the C kernel (17: a remainder of its 4-row groups), 64 the
+    dequantized tile; the out buffer is poisoned, so every element must be written."""
+    assert cpu_gguf.LARGE_M > 17 and cpu_gguf.LARGE_M <= 64
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    rng = rng_for("cpu", name, m, str(dtype))
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, N, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+    out = torch.full((m, N), float("nan"), dtype=dtype)
+    y = cpu_gguf.gguf_matmul(x, torch.from_numpy(raw), fmt.type_id, out=out)
+    assert y is out
+    _check(y, x, raw, fmt.type_id)
+    fresh = cpu_gguf.gguf_matmul(x, torch.from_numpy(raw), fmt.type_id)
+    assert fresh.dtype == dtype and fresh.shape == (m, N)
+    _check(fresh, x, raw, fmt.type_id)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_matches_gguf(name: str):
+    """fp32 rows equal ``gguf.quants`` to fp32 rounding (the C decoder may fuse a
+    multiply-add); bf16 rows are those rounded once."""
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    rng = rng_for("cpu-dequantize", name)
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, 7, k, rng)
+    want = torch.from_numpy(gguf_dequantize(raw, GQ(fmt.type_id)))
+    got = cpu_gguf.dequantize_gguf(torch.from_numpy(raw), fmt.type_id)
+    assert got.dtype == torch.float32 and got.shape == (7, k)
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-30)
+    got16 = cpu_gguf.dequantize_gguf(torch.from_numpy(raw), fmt.type_id, torch.bfloat16)
+    assert torch.equal(got16, got.to(torch.bfloat16))
+
+
+def test_strided_inputs_and_rows_of_a_wider_buffer():
+    """x with a row stride wider than K (a view of a fused projection's output) and
+    blocks that are rows of a wider buffer (a fused weight's part) are read in place."""
+    fmt = block_format(int(GQ.Q4_1))
+    rng = rng_for("cpu-strided")
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, 2 * N, k, rng)
+    wide = torch.from_numpy(np.concatenate([raw, raw[:, :40]], axis=1))
+    blocks = wide[:N, : raw.shape[1]]
+    assert blocks.stride(0) != blocks.shape[1]
+    x = torch.from_numpy(rng.standard_normal((3, k + 16)).astype(np.float32))[:, 16:]
+    _check(cpu_gguf.gguf_matmul(x, blocks, fmt.type_id), x, raw[:N], fmt.type_id)
+    xt = torch.from_numpy(rng.standard_normal((k, 3)).astype(np.float32)).T
+    _check(cpu_gguf.gguf_matmul(xt, blocks, fmt.type_id), xt, raw[:N], fmt.type_id)
+
+
+def test_bound_matmul_checks_each_call_and_matches_the_checked_one():
+    fmt = block_format(int(GQ.Q8_0))
+    rng = rng_for("cpu-bound")
+    raw = make_blocks(fmt, N, ragged_k(fmt), rng)
+    blocks = torch.from_numpy(raw)
+    f = gguf_kernels.bind_gguf_matmul(blocks, fmt.type_id)
+    x = torch.from_numpy(rng.standard_normal((2, ragged_k(fmt))).astype(np.float32))
+    assert torch.equal(f(x), cpu_gguf.gguf_matmul(x, blocks, fmt.type_id))
+    with pytest.raises(ValueError, match=r"^x: expected a CPU tensor \[M, 352\]"):
+        f(x[:, :32])
+    with pytest.raises(ValueError, match=r"^x: expected"):
+        f(x[0])
+    with pytest.raises(ValueError, match=r"^blocks: expected"):
+        gguf_kernels.bind_gguf_matmul(blocks[:, :33], fmt.type_id)
+
+
+def test_empty_batch_and_every_type_listed():
+    fmt = block_format(int(GQ.Q4_0))
+    raw = make_blocks(fmt, N, 64, rng_for("cpu-empty"))
+    y = cpu_gguf.gguf_matmul(torch.empty(0, 64), torch.from_numpy(raw), fmt.type_id)
+    assert y.shape == (0, N)
+    assert gguf_kernels.kernel_types("cpu") == frozenset(BLOCK_FORMATS)
+
+
+def _u8(*shape: int) -> torch.Tensor:
+    return torch.ones(shape, dtype=torch.uint8)
+
+
+BAD = {
+    "blocks": lambda: cpu_gguf.gguf_matmul(torch.ones(1, 32), _u8(3, 33), int(GQ.Q8_0)),
+    "qtype": lambda: cpu_gguf.dequantize_gguf(_u8(2, 34), 99),
+    "x": lambda: cpu_gguf.gguf_matmul(torch.ones(3, 64), _u8(4, 34), int(GQ.Q8_0)),
+    "out": lambda: cpu_gguf.gguf_matmul(torch.ones(3, 32), _u8(4, 34), int(GQ.Q8_0),
+                                        out=torch.ones(4, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_names_the_argument(name: str):
+    with pytest.raises(ValueError, match=rf"^{name}: expected "):
+        BAD[name]()
