@@ -1,5 +1,6 @@
 """Triton kernels of deepinfer (paged attention, KV store, cache/state copies,
-mixture-of-experts routing, alignment and grouped GEMM).
+mixture-of-experts routing, alignment and grouped GEMM, matmuls on GGUF-quantized
+weights).
 
 The folder kernels/ installs under the import name ``deepinfer_kernels``.
 ``deepinfer_kernels.reference`` holds plain-torch versions with the same signatures.
@@ -43,6 +44,7 @@ else:
         clone_states,
         fused_moe,
         fused_moe_gemm,
+        gguf_matmul,
         moe_align,
         moe_route,
         paged_decode_attention,
@@ -71,4 +73,5 @@ else:
         "rotary_qk",
         "silu_and_mul",
         "sample_tokens",
+        "gguf_matmul",
     ]

@@ -26,6 +26,7 @@ if _IMPORT_ERROR is None:
     from deepinfer_kernels.cache_ops import clone_blocks, clone_states, zero_states
     from deepinfer_kernels.decode_attention import paged_decode_attention
     from deepinfer_kernels.fused_moe import fused_moe, fused_moe_gemm
+    from deepinfer_kernels.gguf_matmul import gguf_matmul
     from deepinfer_kernels.moe_align import moe_align
     from deepinfer_kernels.moe_routing import moe_route
     from deepinfer_kernels.prefill_attention import paged_prefill_attention
@@ -60,3 +61,4 @@ else:  # pragma: no cover
     rotary_qk = _missing("rotary_qk")
     silu_and_mul = _missing("silu_and_mul")
     sample_tokens = _missing("sample_tokens")
+    gguf_matmul = _missing("gguf_matmul")
