@@ -47,7 +47,7 @@
 #
 # Expected time on an H200 box (16 cores), estimated from CPU measurements (not yet timed
 # on the GPU); the caps in brackets, each cut to what the budget leaves:
-#   wheels ~5 s | env ~5 s | compile grid ~90-130 s (~1060 kernels), in the background
+#   wheels ~5 s | env ~5 s | compile grid ~110-170 s (~1450 kernels), in the background
 #   [300 s] | kernel tests ~60-100 s [180 s] | engine tests ~40-80 s (one builds a
 #   Qwen3-0.6B-shaped model) [150 s] | MoE ~30-50 s [90 s] | structured ~40-80 s [150 s,
 #   its table rewritten after each round] | attention benchmarks ~60-100 s + layer ops and

@@ -8,7 +8,7 @@ it on sys.path), so a launcher change is covered.
 
 ``make test`` compiles a representative subset (about a minute on 2 cores with a cold
 Triton cache, seconds with a warm one). The full grid (head_dim x GQA x block size x dtype
-x op x target, ~1060 kernels with the MoE, decoder-layer and sampling ones) runs with
+x op x target, ~1450 kernels with the MoE, decoder-layer, sampling and GGUF ones) runs with
 ``DEEPINFER_COMPILE_FULL=1``: ``make compile-check`` and scripts/gpu_ci.sh.
 ``DEEPINFER_COMPILE_JOBS`` sets its process count; ``DEEPINFER_COMPILE_OUT`` a folder for
 its table (markdown) and results (JSON).
@@ -143,6 +143,26 @@ def test_moe_cases_cover_every_block_m() -> None:
     decode_n = {launch.kwargs["BLOCK_N"] for c in QUICK if c.op == "moe_gemm"
                 for launch in cc_cases.plan(c) if launch.kwargs["BLOCK_M"] == 16}
     assert decode_n == {32, 64}
+
+
+def test_gguf_cases_cover_every_tile() -> None:
+    """The full grid plans both GGUF matmul kernels for every block type x dtype x tile
+    (the GEMV's BLOCK_M 1-16, the GEMM's 32/64/128, fp32's 32/64) on each target; the
+    quick subset compiles both kernels on each target; a variant whose rows take the
+    other kernel is refused."""
+    full = [c for c in cc_cases.full_cases() if c.op in cc_cases.GGUF_OPS]
+    seen = {(c.arch, c.op, c.dtype, c.variant.split("-")[0],
+             cc_cases.plan(c)[0].kwargs["BLOCK_M"]) for c in full}
+    tiles = {"gguf_gemv": (1, 2, 4, 8, 16), "gguf_gemm": (32, 64, 128)}
+    assert seen == {(a, op, dt, t.lower(), bm) for a in cc_cases.ARCHS for dt in cc_cases.DTYPES
+                    for t in cc_cases.GGUF_TYPES for op in tiles for bm in tiles[op]
+                    if not (dt == "fp32" and bm == 128)}
+    assert {c.op: c.wants_tensor_cores for c in full if c.dtype == "bf16"} == {
+        "gguf_gemv": False, "gguf_gemm": True}
+    assert {(c.arch, c.op) for c in QUICK if c.op in cc_cases.GGUF_OPS} == {
+        (a, op) for a in cc_cases.ARCHS for op in cc_cases.GGUF_OPS}
+    with pytest.raises(ValueError, match="17 rows of x do not run the gguf_gemv kernel"):
+        cc_cases.plan(cc_cases.Case("gguf_gemv", "sm_90", "bf16", variant="q4_0-m17"))
 
 
 def test_verdict_rules() -> None:

@@ -64,6 +64,11 @@ class Case:
     The sampler's fused temperature sampling (no tensor cores): ``sample_tokens``, variant
     ``v<vocab>-n<rows>``, dtype the logits' (id ``sample_tokens-sm_90-fp32-v151936-n256``);
     head_dim, gqa and block_size do not apply (left out of its id).
+
+    Matmuls on GGUF-quantized weights (``gguf_matmul``): ``gguf_gemv`` (M <= 16, FMAs)
+    and ``gguf_gemm`` (tensor cores), variant ``<type>-m<rows of x>`` on an
+    ``N = K = 4096`` weight (id ``gguf_gemv-sm_90-bf16-q4_k-m1``); head_dim, gqa and
+    block_size do not apply (left out of their ids).
     """
 
     op: str
@@ -76,7 +81,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        if self.op.startswith("moe_") or self.op in _ROW_OPS or self.op in SAMPLING_OPS:
+        if (self.op.startswith("moe_") or self.op in _ROW_OPS or self.op in SAMPLING_OPS
+                or self.op in GGUF_OPS):
             return f"{self.op}-{self.arch}-{self.dtype}-{self.variant}"
         if self.op == "rotary_qk":
             return (f"{self.op}-{self.arch}-{self.dtype}-d{self.head_dim}"
@@ -93,8 +99,8 @@ class Case:
 
     @property
     def wants_tensor_cores(self) -> bool:
-        """16-bit attention must keep its ``tl.dot``s on the tensor cores."""
-        return (self.op in ("decode", "decode_split", "prefill", "moe_gemm")
+        """16-bit attention and GEMMs must keep their ``tl.dot``s on the tensor cores."""
+        return (self.op in ("decode", "decode_split", "prefill", "moe_gemm", "gguf_gemm")
                 and self.dtype != "fp32")
 
 
@@ -168,7 +174,7 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     for decode (unsplit and split) and prefill, plus the engine's other block sizes (8, 64)
     at GQA 4; store_kv and the copy ops per dtype; the MoE cases (``moe_cases``), the
     decoder layer's elementwise ops (``layer_cases``) and the sampler's kernel
-    (``sampling_cases``)."""
+    (``sampling_cases``) and the GGUF matmuls (``gguf_cases``)."""
     shapes = [(gqa, bs) for gqa in (1, 4, 8) for bs in (16, 32)] + [(4, 8), (4, 64)]
     cases = []
     for arch in archs:
@@ -183,7 +189,8 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         for op, variant in itertools.product(("zero_states", "clone_states"),
                                              ("int64", "int32")):
             cases.append(Case(op, arch, "fp32", 128, 1, 16, variant))
-    return cases + moe_cases(archs) + layer_cases(archs) + sampling_cases(archs)
+    return (cases + moe_cases(archs) + layer_cases(archs) + sampling_cases(archs)
+            + gguf_cases(archs))
 
 
 # Decoder-layer shapes: one sequence's decode token (a row count of 1 is specialized by
@@ -227,6 +234,24 @@ def sampling_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
             for arch, v, dt in itertools.product(archs, SAMPLING_VOCABS, ("fp32", "bf16"))]
 
 
+# Matmuls on GGUF blocks: every block type on a 4096 x 4096 weight (a Llama-3-8B /
+# Qwen3-8B attention projection). Rows of x that reach each tile of
+# deepinfer_kernels.gguf_matmul: the GEMV's BLOCK_M 1 / 2 / 4 / 8 / 16 (decode batches),
+# the GEMM's BLOCK_M 32 / 64 / 128 (prefill).
+GGUF_OPS = ("gguf_gemv", "gguf_gemm")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_ROWS = {"gguf_gemv": (1, 2, 4, 8, 16), "gguf_gemm": (32, 64, 256)}
+GGUF_SHAPE = (4096, 4096)  # (N, K)
+
+
+def gguf_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
+    """Both GGUF matmul kernels for every block type x tile (rows of x) x bf16/fp16/fp32
+    on each target."""
+    return [Case(op, arch, dt, variant=f"{qtype.lower()}-m{m}")
+            for arch, op, qtype in itertools.product(archs, GGUF_OPS, GGUF_TYPES)
+            for m, dt in itertools.product(GGUF_ROWS[op], DTYPES)]
+
+
 def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     """A representative subset for ``make test`` (about a minute on 2 cores, cold cache).
 
@@ -234,8 +259,9 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
     spilled) at every head_dim x dtype, decode at every head_dim for 16-bit and fp32 (its
     tile depends on row bytes), split and unsplit; store_kv for one token and for a batch;
     the copy kernel; the MoE tiles; each decoder-layer elementwise op once; the sampler's
-    kernel once. GQA, block size and fp16/bf16 rotate across the cases (the full grid
-    covers every combination).
+    kernel once; both GGUF matmul kernels, each for a K-quant and a 32-weight type. GQA,
+    block size and fp16/bf16 rotate across the cases (the full grid covers every
+    combination).
     """
     shapes = itertools.cycle([(4, 16), (8, 32), (1, 16), (4, 32)])
     cases = []
@@ -271,6 +297,12 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         # The sampler's kernel on Qwen's vocabulary (fp32 logits, as the sampler passes).
         cases.append(Case("sample_tokens", arch, "fp32",
                           variant=f"v151936-n{SAMPLING_ROWS}"))
+        # GGUF matmuls: the decode GEMV and the prefill GEMM, a K-quant and a 32-weight
+        # type each (the two decoders), both 16-bit dtypes.
+        cases.append(Case("gguf_gemv", arch, "bf16", variant="q4_k-m1"))
+        cases.append(Case("gguf_gemv", arch, "fp16", variant="q5_1-m16"))
+        cases.append(Case("gguf_gemm", arch, "fp16", variant="q6_k-m256"))
+        cases.append(Case("gguf_gemm", arch, "bf16", variant="q8_0-m64"))
     return cases
 
 
@@ -299,6 +331,8 @@ def plan(case: Case) -> list[Launch]:
         return _plan_layer(case)
     if case.op in SAMPLING_OPS:
         return _plan_sampling(case)
+    if case.op in GGUF_OPS:
+        return _plan_gguf(case)
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
@@ -426,3 +460,21 @@ def _plan_sampling(case: Case) -> list[Launch]:
     return sample_tokens_launches(_meta(n, v, dtype=DTYPES[case.dtype]), _meta(n, dtype=f32),
                                   _meta(n, dtype=f32), _meta(n, dtype=torch.int64),
                                   ARCHS[case.arch].target())
+
+
+def _plan_gguf(case: Case) -> list[Launch]:
+    """``gguf_matmul`` of ``case.variant`` (``<type>-m<rows>``) on a ``GGUF_SHAPE`` weight
+    via its planner: contiguous x, blocks and out. Refuses a variant whose rows would
+    take the other kernel than its op names."""
+    from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
+    from deepinfer_kernels.gguf_matmul import GEMV_MAX_M, gguf_matmul_launches
+
+    qtype, rows = case.variant.split("-m")
+    fmt = next(f for f in BLOCK_FORMATS.values() if f.name == qtype.upper())
+    m, (n, k) = int(rows), GGUF_SHAPE
+    if (m <= GEMV_MAX_M) != (case.op == "gguf_gemv"):
+        raise ValueError(f"{case.id}: {m} rows of x do not run the {case.op} kernel")
+    dtype = DTYPES[case.dtype]
+    return gguf_matmul_launches(_meta(m, k, dtype=dtype),
+                                _meta(n, fmt.row_bytes(k), dtype=torch.uint8), fmt,
+                                _meta(m, n, dtype=dtype), ARCHS[case.arch].target())
