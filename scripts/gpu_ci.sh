@@ -32,7 +32,8 @@
 #      of SmolLM2-135M's shapes with SmolLM2's real tokenizer (.gpu_assets/; without it a
 #      small BPE, whose masks are cheaper than a real vocabulary's)
 #   7. kernel benchmarks vs SDPA, FlexAttention (GPU_CI_FLEX=0 leaves it out: each shape
-#      costs a compile) and flash-attn (where installed); layer ops and sampling
+#      costs a compile) and flash-attn (where installed); layer ops and sampling; the GGUF
+#      matmuls per block type against the copy bandwidth and a dense bf16 matmul
 #   8. end-to-end throughput, nano-vllm's workload (256 requests, 100-1024 tokens in and
 #      out) on a random-weight model of Qwen3-0.6B's shapes, with overlapped scheduling
 #      on (the CUDA default) and off
@@ -51,7 +52,7 @@
 #   [300 s] | kernel tests ~60-100 s [180 s] | engine tests ~40-80 s (one builds a
 #   Qwen3-0.6B-shaped model) [150 s] | MoE ~30-50 s [90 s] | structured ~40-80 s [150 s,
 #   its table rewritten after each round] | attention benchmarks ~60-100 s + layer ops and
-#   sampling ~15 s [150 s] | e2e, two runs ~100-180 s [180 s, each run's files kept as it
+#   sampling ~15 s + GGUF matmuls ~30-50 s (24 cases, 24 compiles) [200 s] | e2e, two runs ~100-180 s [180 s, each run's files kept as it
 #   ends] | MoE sweep, what is left [<= 150 s]  =>  about 5-9 minutes without the sweep.
 #   The steps run in that order, so a run cut by the budget loses the e2e runs and the
 #   sweep first, never the tests or the MoE and structured-output targets.
@@ -272,10 +273,10 @@ export -f structured
 export PY SMOL_DIR SMOL_TOKENIZER
 step structured 150 bash -c structured
 
-step kernel-bench 150 env DEEPINFER_BENCH_OUT="$WORK/results" \
+step kernel-bench 200 env DEEPINFER_BENCH_OUT="$WORK/results" \
     DEEPINFER_BENCH_FLEX="${GPU_CI_FLEX:-1}" "$PY" -m pytest "${BASE_OPTS[@]}" \
     benchmarks/bench_kernels.py benchmarks/bench_layer_ops.py benchmarks/bench_sampling.py \
-    -q -s
+    benchmarks/bench_quant_kernels.py -q -s
 
 # nano-vllm's workload scale on a random-weight model of Qwen3-0.6B's shapes (weights
 # cannot be downloaded there; only the shapes matter for speed).
@@ -358,7 +359,8 @@ def geomean(xs):
 
 
 def bench_headline():
-    return (attention_headline() + layer_ops_headline() + sampling_headline()).lstrip("; ")
+    return (attention_headline() + layer_ops_headline() + sampling_headline()
+            + quant_headline()).lstrip("; ")
 
 
 def attention_headline():
@@ -419,6 +421,24 @@ def layer_ops_headline():
 def sampling_headline():
     return fused_headline("sampling", "temperature sampling fused vs torch",
                           lambda r: f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}")
+
+
+def quant_headline():
+    """'; GGUF matmul (<n> types): M=1 weight-read bw a-b% of copy, M=256 x-y the speed
+    of dense bf16' over the rows of bench_quant_kernels's file."""
+    files = glob.glob(os.path.join(results, "quant-kernels-*.json"))
+    if not files:
+        return ""
+    rows = json.load(open(files[0]))["results"]
+    bw = [r["bw_frac"] for r in rows if r["M"] == 1]
+    gemm = [r["dense_over_gguf"] for r in rows if r["M"] == 256]
+    parts = []
+    if bw:
+        parts.append(f"M=1 weight-read bw {min(bw):.0%}-{max(bw):.0%} of copy")
+    if gemm:
+        parts.append(f"M=256 {min(gemm):.2f}-{max(gemm):.2f}x the speed of dense bf16")
+    types = len({r["type"] for r in rows})
+    return (f"; GGUF matmul ({types} types): " + ", ".join(parts)) if parts else ""
 
 
 def compile_headline():

@@ -100,6 +100,12 @@ def test_summary_table_from_every_step(tmp_path):
          "speedup": 6.0, "bw_frac": 0.25}]}))
     (results / "sampling-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
         {"rows": 256, "vocab": 151936, "torch_ms": 0.5, "fused_ms": 0.1, "speedup": 5.0}]}))
+    # bench_quant_kernels's rows (CUDA only), two types.
+    (results / "quant-kernels-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
+        {"type": "Q4_K", "M": 1, "bw_frac": 0.62, "dense_over_gguf": 2.5},
+        {"type": "Q8_0", "M": 1, "bw_frac": 0.71, "dense_over_gguf": 1.6},
+        {"type": "Q4_K", "M": 256, "bw_frac": 0.1, "dense_over_gguf": 0.8},
+        {"type": "Q8_0", "M": 256, "bw_frac": 0.1, "dense_over_gguf": 0.95}]}))
     # No .git here, as on the device: gpu_ci.sh exports the recorded commit label.
     res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60,
@@ -119,6 +125,8 @@ def test_summary_table_from_every_step(tmp_path):
     assert ("layer elementwise chain fused vs torch: 6.0x at 256 tokens (25% of copy bw)"
             in rows["kernel-bench"])
     assert "temperature sampling fused vs torch: 5.0x at 256x151936" in rows["kernel-bench"]
+    assert ("GGUF matmul (2 types): M=1 weight-read bw 62%-71% of copy, M=256 0.80-0.95x "
+            "the speed of dense bf16") in rows["kernel-bench"]
     assert "constrained" in rows["structured"] and "valid JSON" in rows["structured"]
     assert "overlap on: 233 tok/s" in rows["e2e-throughput"]
     assert "configurations" in rows["moe-sweep"]
