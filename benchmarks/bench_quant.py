@@ -182,11 +182,68 @@ def llamacpp_row(model_path: str, tokens: int, reps: int) -> dict | None:
            "--reps", str(reps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    row = {"engine": f"llama.cpp {res.get('llama_cpp_version', '?')} "
-                     f"(n_batch {res.get('n_batch', '?')})",
+    settings = res.get("settings", {})
+    row = {"engine": f"llama.cpp (llama-cpp-python {res.get('llama_cpp_python', '?')}, "
+                     f"n_batch {settings.get('n_batch', '?')})",
            "decode tok/s": round(float(res["decode_tok_s"]), 1)}
     print(row, flush=True)
     return {**row, "raw": res}
+
+
+_OPS = ("add_rms_norm", "rms_norm", "rotary_qk", "silu_and_mul", "store_kv",
+        "paged_decode_attention")
+
+
+def breakdown(model: str | None, tokens: int, quantization: str = "auto") -> dict[str, float]:
+    """ms per decoded token, by part: each linear layer kind, the head, the embedding, the
+    backend's ops, and the rest of the step (sampling, scheduling, Python glue). Timers
+    wrap the calls (~0.2 us each), the rest is the step time minus the parts."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu", quantization=quantization, kv_cache_memory=256 << 20)
+    m = llm.engine.model
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    for name, mod in m.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            mod.forward = timed(f"matmul {kind}", mod.forward)
+    emb = m.model.embed_tokens
+    emb.attend = timed("matmul lm_head", emb.attend)
+    emb.lookup = timed("embedding rows", emb.lookup)
+    backend = llm.engine.backend
+    saved = {op: getattr(backend, op) for op in _OPS}
+    for op in _OPS:
+        setattr(backend, op, timed(op, saved[op]))
+    chat = [{"role": "user", "content": PROMPT}]
+    try:
+        llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        parts = []
+        for n in (1, tokens):
+            spent.clear()
+            t0 = time.perf_counter()
+            llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+            parts.append((time.perf_counter() - t0, dict(spent)))
+    finally:
+        for op, fn in saved.items():
+            setattr(backend, op, fn)
+    (t1, s1), (tn, sn) = parts
+    per = {k: (sn.get(k, 0.0) - s1.get(k, 0.0)) / (tokens - 1) * 1e3 for k in sn}
+    per["step total"] = (tn - t1) / (tokens - 1) * 1e3
+    per["rest (sampling, scheduling, glue)"] = per["step total"] - sum(
+        v for k, v in per.items() if k != "step total")
+    llm.close()
+    return {k: round(v, 3) for k, v in per.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,7 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ms", default="1,16,128")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the per-token breakdown of single-stream decode (ms)")
     a = ap.parse_args(argv)
+    if a.breakdown:
+        for mode in ("auto", "none"):
+            print(mode, json.dumps(breakdown(a.model, a.tokens, mode), indent=1))
+        return
     from deepinfer.loading.loader import resolve_model_path
 
     path = resolve_model_path(a.model)
@@ -210,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                                                   a.reps, bandwidth)
     engines = engine_rows(a.model, a.tokens, a.reps, a.batch, bandwidth)
     peer = llamacpp_row(path, a.tokens, a.reps)
+    parts = {mode: breakdown(a.model, a.tokens, mode) for mode in ("auto", "none")}
+    print(json.dumps(parts), flush=True)
     if peer is not None:
         engines.append({c: v for c, v in peer.items() if c != "raw"})
     meta = {"device": f"CPU ({platform.processor() or platform.machine()}, "
@@ -217,14 +282,14 @@ def main(argv: list[str] | None = None) -> None:
             "date": utc_now(), "torch": torch.__version__, "triton": "n/a",
             "model": os.path.basename(path), "copy_gb_s": round(bandwidth / 1e9, 2)}
     if a.save:
-        _save(meta, kernels, engines, peer, n, k)
+        _save(meta, kernels, engines, peer, parts, n, k)
 
 
 def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | None,
-          n: int, k: int) -> None:
+          parts: dict[str, dict[str, float]], n: int, k: int) -> None:
     out = HERE / "results"
     (out / "quant-cpu.json").write_text(json.dumps(
-        {"meta": meta, "kernels": kernels, "engines": engines,
+        {"meta": meta, "kernels": kernels, "engines": engines, "breakdown_ms": parts,
          "llamacpp": peer and peer["raw"]}, indent=1) + "\n")
     lines = header_lines("GGUF weights kept quantized", meta,
                          f"{meta['model']}, copy bandwidth {meta['copy_gb_s']} GB/s read")
@@ -232,6 +297,10 @@ def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | Non
     cols = sorted({c for r in engines for c in r}, key=lambda c: list(engines[0]).index(c)
                   if c in engines[0] else 99)
     lines += table_lines(cols, engines) + [""]
+    lines += ["## Single-stream decode, ms per token by part", ""]
+    rows = [{"part": p, **{mode: parts[mode].get(p, "") for mode in parts}}
+            for p in parts["auto"]]
+    lines += table_lines(["part", *parts], rows) + [""]
     if kernels:
         lines += [f"## Kernels: {n} x {k} weight, ms per call", ""]
         lines += table_lines(list(kernels[0]), kernels) + [""]
@@ -240,6 +309,13 @@ def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | Non
 
 
 # ------------------------------------------------------------------ sanity (suite)
+def test_breakdown_names_every_part():
+    parts = breakdown(None, tokens=3)
+    assert {"matmul qkv_proj", "matmul lm_head", "paged_decode_attention",
+            "rest (sampling, scheduling, glue)"} <= set(parts)
+    assert parts["step total"] > 0
+
+
 def test_kernel_rows_and_blocks_run_tiny():
     rows = kernel_rows(64, 256, [1, 40], reps=1, bandwidth=1e9, min_time=0.0)
     assert len(rows) == 2 * len(TYPES) and all(r["blocks fp32 x ms"] > 0 for r in rows)

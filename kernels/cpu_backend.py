@@ -30,8 +30,9 @@ and K/V expanded (a stride-0 view, no copy) over the query heads of each KV head
 The norms, RoPE and SiLU-and-mul are one C call each (``cpu_layer_ops``): in torch they
 are ~40 small ops a layer, most of a decode step's time once the weights are small.
 
-``store_kv`` skips the reference's padding filter (two boolean-index copies) when no slot
-is negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
+``store_kv`` is one C call (``kernels/csrc/store_kv_cpu.c``) for fp32/bf16 caches; otherwise
+it skips the reference's padding filter (two boolean-index copies) when no slot is
+negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
 ``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
 an ``index_copy_`` rewrite of ``clone_blocks`` saved at most ~0.1-1.5 ms per call (1-8
 pairs on a 30-layer cache), not worth a second implementation. The mixture-of-experts ops
@@ -79,6 +80,37 @@ __all__ = [
 # other, 4 MiB was best or near it on every case.
 _CHUNK_BYTES = 4 << 20
 
+
+def _native_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """The C store (``kernels/csrc/store_kv_cpu.c``) where it takes the inputs: one dtype
+    (fp32 or bf16) throughout, each token's heads back to back, contiguous caches, int64
+    slots. Returns whether it ran. ``IndexError`` naming a slot past the cache."""
+    lib = cpu_native.native_library()
+    t, hkv, d = k.shape
+    dtype = k_cache.dtype
+    # Plain comparisons (no generators): this runs once a layer per step.
+    if (lib is None or dtype not in (torch.float32, torch.bfloat16) or k.dtype != dtype
+            or v.dtype != dtype or v_cache.dtype != dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slots.dtype != torch.int64 or not slots.is_contiguous()
+            or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d
+            or v.shape != k.shape or k_cache.shape[2] != hkv or k_cache.shape[3] != d
+            or v_cache.shape != k_cache.shape
+            or not (k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+                    and slots.is_cpu)):
+        return False
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.store_kv_cpu(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
+                          hkv * d, num_slots, k.element_size())
+    if rc < 0:
+        bad = -rc - 1
+        raise IndexError(f"store_kv: token {bad}'s slot {int(slots[bad])} is past the "
+                         f"cache's {num_slots} slots")
+    return True
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -88,9 +120,12 @@ def store_kv(
 ) -> None:
     """Write token t's K/V (``[T, Hkv, D]``) at ``slot_mapping[t]`` (``[T]`` int64).
 
-    Negative slots are padding and are skipped (then the reference's filtering path runs).
+    Negative slots are padding and are skipped. The C store where it takes the inputs;
+    else torch's (then the reference's filtering path where a slot is negative).
     """
     if slot_mapping.numel() == 0:
+        return
+    if k.dim() == 3 and _native_store(k, v, k_cache, v_cache, slot_mapping):
         return
     if bool((slot_mapping < 0).any()):
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -4,13 +4,21 @@
 Two paths, picked by the number of activation rows M (``LARGE_M``, measured with
 ``benchmarks/bench_quant.py``):
 
-- M < ``LARGE_M`` (decode): the C kernel reads the weights as stored (4-8 bits a weight)
-  and decodes each row into fp32 once for all M rows; a step's cost is the bytes of the
-  file, not of a dequantized copy.
-- M >= ``LARGE_M`` (prefill, large decode batches): the step is compute-bound, so the
+- M < ``LARGE_M`` (single-stream decode): the C kernel reads the weights as stored (4-8
+  bits a weight) and decodes each row into fp32 once for all M rows; a step's cost is
+  the bytes of the file, not of a dequantized copy.
+- M >= ``LARGE_M`` (prefill, batched decode): the step is compute-bound, so the
   weights are dequantized by the C kernel into a reused per-thread tile in the
   activations' dtype and multiplied by torch's BLAS (bf16 where the CPU has it), which
   uses the vector units better than the C dot loop.
+
+For 16-bit activations (bf16, fp16) below ``LARGE_M`` rows, Q4_0, Q4_1 and Q8_0 take
+``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI (``int8_types()``): x is
+quantized per block of 32 to int8 and multiplied with the weight codes by integer dot
+products, as llama.cpp does, ~4x fewer instructions a weight than decoding to fp32. Its
+error, at most half a step of 1/127 of a block's largest |x| per element, stays inside
+the 2e-2 that 16-bit activations are held to; fp32 activations always take the exact
+path.
 
 Both accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
 per-call function a layer keeps (the plan/run split: a decoder makes ~120 of these calls
@@ -19,6 +27,7 @@ a token, so per-call checks would cost as much as the small matmuls themselves).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,10 +39,14 @@ from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_ar
 from deepinfer_kernels.workspace import scratch
 
 __all__ = ["LARGE_M", "available", "bind_gguf_matmul", "dequantize_gguf", "gguf_matmul",
-           "kernel_types"]
+           "int8_types", "kernel_types"]
 
-#: Activation rows from which the matmul dequantizes a tile and calls torch's BLAS.
-LARGE_M = 32
+#: Activation rows from which the matmul dequantizes a tile and calls torch's BLAS. On 2
+#: cores (bf16, the default model, 128 requests of 16-128 tokens): 32 gave 0.78x the
+#: throughput of dequantize-at-load, 16 about 0.9x, 4 about parity; one row (single-stream
+#: decode) is where the blocks win, 3x.
+LARGE_M = 4
+_DIRECT = (torch.float32, torch.bfloat16)  # x and out dtypes the C kernel reads and writes
 _ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
            3: "out of memory for a row buffer"}
 
@@ -41,6 +54,16 @@ _ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
 def available() -> bool:
     """Whether the native library (and so these kernels) is built and loadable."""
     return native_library() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def int8_types() -> frozenset[int]:
+    """ggml type ids with the int8-activation path on this CPU (empty without VNNI)."""
+    lib = native_library()
+    if lib is None:
+        return frozenset()
+    mask = lib.gguf_int8_types()
+    return frozenset(i for i in BLOCK_FORMATS if (mask >> i) & 1)
 
 
 def kernel_types() -> frozenset[int]:
@@ -109,9 +132,12 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
     res = out if direct else torch.empty((m, n), dtype=res_dtype)
     if m:
         bf16 = int(res_dtype == torch.bfloat16)
-        rc = _library().gguf_matmul_cpu(
-            xk.data_ptr(), m, k, xk.stride(0), bf16, blocks.data_ptr(), n, blocks.stride(0),
-            qtype, res.data_ptr(), res.stride(0), bf16, torch.get_num_threads())
+        lib = _library()
+        kernel = (lib.gguf_matmul_int8_cpu if x.dtype != torch.float32
+                  and qtype in int8_types() else lib.gguf_matmul_cpu)
+        rc = kernel(xk.data_ptr(), m, k, xk.stride(0), bf16, blocks.data_ptr(), n,
+                    blocks.stride(0), qtype, res.data_ptr(), res.stride(0), bf16,
+                    torch.get_num_threads())
         _check_rc(rc, "gguf_matmul")
     if direct:
         return res
@@ -138,15 +164,31 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
 def bind_gguf_matmul(blocks: torch.Tensor, qtype: int
                      ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Check a weight's blocks once; returns ``f(x)`` = :func:`gguf_matmul` ``(x, blocks,
-    qtype)`` that checks only what can change per call: x ``[M, K]`` (its last size)."""
+    qtype)`` that checks only what can change per call: x ``[M, K]`` on the CPU.
+
+    The returned function holds ``blocks`` (and its address): bind again after moving or
+    replacing the tensor."""
     b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
-    _library()
-    type_id = fmt.type_id
+    lib = _library()
+    exact = lib.gguf_matmul_cpu
+    # 16-bit activations take the int8 path where this CPU and type have it.
+    narrow = lib.gguf_matmul_int8_cpu if fmt.type_id in int8_types() else exact
+    n, ldw, w_ptr, type_id = b.shape[0], b.stride(0), b.data_ptr(), fmt.type_id
+    bf16 = torch.bfloat16
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             fail("x", f"a CPU tensor [M, {k}] (K of this {fmt.name} weight)",
                  f"shape {tuple(x.shape)} on {x.device}")
-        return _matmul(x, b, type_id, k, None)
+        m, dtype = x.shape[0], x.dtype
+        if m >= LARGE_M or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT:
+            return _matmul(x, b, type_id, k, None)
+        # The decode step's path, ~120 calls a token: straight to the kernel.
+        out = torch.empty((m, n), dtype=dtype)
+        is_bf16 = dtype == bf16
+        kernel = narrow if is_bf16 else exact
+        _check_rc(kernel(x.data_ptr(), m, k, x.stride(0), is_bf16, w_ptr, n, ldw, type_id,
+                         out.data_ptr(), n, is_bf16, torch.get_num_threads()), "gguf_matmul")
+        return out
 
     return matmul

@@ -36,21 +36,26 @@ from deepinfer_kernels.validation import check_out
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# One library of all the C kernels: paged decode attention, the GGUF block matmul, the
-# decoder layer's elementwise ops.
-SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "layer_ops_cpu.c")
+# One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
+# and with int8 activations), the decoder layer's elementwise ops, the K/V store.
+SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c",
+           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
     "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 3,
     "gguf_matmul_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR, _I64,
                         _I32, _I32],
+    "gguf_matmul_int8_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR,
+                             _I64, _I32, _I32],
+    "gguf_int8_types": [],
     "gguf_dequantize_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _I32],
     "rms_norm_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32,
                      _I32, _I32],
     "rotary_qk_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
                       _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32, _I32, _I32],
     "silu_and_mul_cpu": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32],
+    "store_kv_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32],
 }
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64
@@ -149,7 +154,9 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bf16 cache (both caches alike, contiguous), block size <= 64, at most 64 query heads
     per KV head, head dim a multiple of 8 and <= 512 (heads x dim <= 2**17, held on a
     thread's stack), int32/int64 block tables. Builds the library on first call."""
-    if q.dim() != 3 or any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
+    # is_cpu, not .device: building a device object per check costs ~1 us, and this runs
+    # once a layer per decode step.
+    if q.dim() != 3 or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu):
         return False
     if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
         return False
@@ -164,7 +171,7 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return False
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
         return False
-    if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
+    if not (block_tables.is_cpu and seq_lens.is_cpu):
         return False
     return native_library() is not None
 

@@ -149,14 +149,62 @@ int64_t rotary_qk_cpu(const void *q, int64_t ldq, const void *k, int64_t ldk, vo
     return 0;
 }
 
-/* out [T, i] = silu(gate) * up of x [T, 2i] (gate columns, then up). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* e^x for 16 lanes, x clamped to [-87.3, 88.7] (e^x finite and normal there): x = n ln2
+ * + r, e^r by a degree-6 polynomial (relative error ~2e-7), 2^n built in the exponent
+ * bits. Scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
+/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
+static inline v16f vsel(v16i m, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & m) | (bi & ~m);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+static inline v16f exp_v16(v16f x) {
+    v16f lo = (v16f){0} - 87.3f, hi = (v16f){0} + 88.7f;
+    x = vsel(x < lo, lo, x);
+    x = vsel(x > hi, hi, x);
+    /* n = round(x / ln2): adding 1.5 * 2^23 rounds in the current (nearest) mode. */
+    v16f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
+    v16f p = 1.9875691500e-4f + (v16f){0};
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out [T, i] = silu(gate) * up of x [T, 2i] (gate columns, then up): silu(g) computed
+ * in fp32 and rounded to the dtype, times up, rounded again (as torch does). */
 int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int64_t t,
                          int64_t inter, int32_t bf16, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (t * inter >= PARALLEL_MIN) schedule(static)
     for (int64_t r = 0; r < t; r++) {
         const void *xr = row_c(x, r, ldx, bf16);
         void *o = row_m(out, r, ldo, bf16);
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            float g[16], s[16];
+            for (int j = 0; j < 16; j++) g[j] = ld(xr, i + j, bf16);
+            v16f gv;
+            memcpy(&gv, g, sizeof gv);
+            v16f sv = gv / (1.0f + exp_v16(-gv));
+            memcpy(s, &sv, sizeof sv);
+            for (int j = 0; j < 16; j++)
+                st(o, i + j, rnd(s[j], bf16) * ld(xr, inter + i + j, bf16), bf16);
+        }
+        for (; i < inter; i++) {
             float g = ld(xr, i, bf16), u = ld(xr, inter + i, bf16);
             st(o, i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
         }

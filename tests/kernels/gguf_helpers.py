@@ -54,6 +54,12 @@ def make_blocks(fmt: BlockFormat, rows: int, k: int, rng: np.random.Generator) -
     return raw.reshape(rows, -1)
 
 
+def ragged_k(fmt: BlockFormat, blocks_of_32: int = 11) -> int:
+    """Several blocks, not a power of two: ``blocks_of_32`` x 32 (11 x 32 = 352) for the
+    32-weight types, 3 x 256 = 768 for the K-quants."""
+    return (blocks_of_32 if fmt.block_weights == 32 else 3) * fmt.block_weights
+
+
 def rng_for(*case: object) -> np.random.Generator:
     """A generator seeded by the case's parameters: fresh, reproducible data per case."""
     return np.random.default_rng(zlib.crc32(repr(case).encode()))

@@ -173,13 +173,21 @@ def test_prefill_matches_reference(hq, hkv, d, bs, dtype, q_lens, prefix):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("src", ["fp32", "cache_dtype_fused_rows"])
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_store_kv_bit_exact(dtype, padding):
-    g = generator(seed_for("cpu-store", dtype, padding))
+def test_store_kv_bit_exact(dtype, padding, src):
+    """K/V in the cache's dtype as head views of a fused q/k/v row take the C store; fp32
+    K/V into a bf16 cache take torch's (a cast first)."""
+    g = generator(seed_for("cpu-store", dtype, padding, src))
     shape = (30, 8, 2, 16)
     k_cache, v_cache = randn(shape, dtype, g).cpu(), randn(shape, dtype, g).cpu()
-    k, v = randn((12, 2, 16), F32, g).cpu(), randn((12, 2, 16), F32, g).cpu()
+    if src == "fp32":
+        k, v = randn((12, 2, 16), F32, g).cpu(), randn((12, 2, 16), F32, g).cpu()
+    else:
+        qkv = randn((12, 5 * 32), dtype, g).cpu()
+        _, k, v = qkv.split([96, 32, 32], dim=-1)
+        k, v = k.view(12, 2, 16), v.view(12, 2, 16)
     slots = torch.randperm(30 * 8, generator=g)[:12]
     if padding:
         slots[[0, 5, 11]] = -1
@@ -190,6 +198,16 @@ def test_store_kv_bit_exact(dtype, padding):
     assert torch.equal(bits(v_cache), bits(want_v))
     cpu_backend.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])  # nothing to store
     assert torch.equal(bits(k_cache), bits(want_k))
+
+
+def test_store_kv_slot_past_the_cache_is_named():
+    g = generator(seed_for("cpu-store-bad"))
+    k_cache, v_cache = randn((4, 8, 2, 16), F32, g).cpu(), randn((4, 8, 2, 16), F32, g).cpu()
+    k, v = randn((2, 2, 16), F32, g).cpu(), randn((2, 2, 16), F32, g).cpu()
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match=r"token 1's slot 32 is past the cache's 32 slots"):
+        cpu_backend.store_kv(k, v, k_cache, v_cache, torch.tensor([3, 32]))
+    assert torch.equal(k_cache, before)  # nothing written
 
 
 def test_same_ops_as_reference():

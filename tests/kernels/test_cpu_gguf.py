@@ -13,7 +13,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from deepinfer_kernels import cpu_gguf, gguf_kernels
 from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS, block_format
-from tests.kernels.test_gguf_reference import NAMES, make_blocks, ragged_k, rng_for
+from tests.kernels.gguf_helpers import assert_product, make_blocks, ragged_k, rng_for
+
+NAMES = [f.name for f in BLOCK_FORMATS.values()]
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(),
                                 reason="native CPU kernels not built (no C compiler)")
@@ -25,22 +27,19 @@ N = 24
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int) -> None:
-    w = torch.from_numpy(gguf_dequantize(raw, GQ(qtype))).double()
-    xd = x.double()
-    want, scale = xd @ w.T, xd.abs() @ w.abs().T
-    err = (y.double() - want).abs()
-    assert bool((err <= RTOL[x.dtype] * scale).all()), \
-        f"max error / scale {float((err / scale.clamp_min(1e-30)).max()):.3g}"
+    w = torch.from_numpy(gguf_dequantize(raw, GQ(qtype)))
+    assert_product(y, x, w, RTOL[x.dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
 @pytest.mark.parametrize("name", NAMES)
 def test_matmul_matches_dequantized_product(name: str, m: int, dtype: torch.dtype):
-    """M = 1, 16, 17 take the C kernel (17: a remainder of its 4-row groups), 64 the
-    dequantized tile; the out buffer is poisoned, so every element must be written."""
-    assert cpu_gguf.LARGE_M > 17 and cpu_gguf.LARGE_M <= 64
+    """M = 1 and 3 take the C kernels (3: several rows, fewer than their groups of 4),
+    16, 17 and 64 the dequantized tile; the out buffer is poisoned, so every element must
+    be written."""
+    assert 3 < cpu_gguf.LARGE_M <= 16
     fmt = BLOCK_FORMATS[GQ[name].value]
     rng = rng_for("cpu", name, m, str(dtype))
     k = ragged_k(fmt)
@@ -95,6 +94,16 @@ def test_bound_matmul_checks_each_call_and_matches_the_checked_one():
     f = gguf_kernels.bind_gguf_matmul(blocks, fmt.type_id)
     x = torch.from_numpy(rng.standard_normal((2, ragged_k(fmt))).astype(np.float32))
     assert torch.equal(f(x), cpu_gguf.gguf_matmul(x, blocks, fmt.type_id))
+    x16 = x.to(torch.bfloat16)
+    y16 = f(x16)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, cpu_gguf.gguf_matmul(x16, blocks, fmt.type_id))
+    _check(y16, x16, raw, fmt.type_id)
+    wide = torch.cat([x, x], dim=1)[:, : x.shape[1]]  # a row stride wider than K
+    assert torch.equal(f(wide), f(x))
+    big = torch.from_numpy(rng.standard_normal((cpu_gguf.LARGE_M, ragged_k(fmt))).astype(
+        np.float32))
+    _check(f(big), big, raw, fmt.type_id)  # the dequantized-tile path
     with pytest.raises(ValueError, match=r"^x: expected a CPU tensor \[M, 352\]"):
         f(x[:, :32])
     with pytest.raises(ValueError, match=r"^x: expected"):
@@ -109,6 +118,35 @@ def test_empty_batch_and_every_type_listed():
     y = cpu_gguf.gguf_matmul(torch.empty(0, 64), torch.from_numpy(raw), fmt.type_id)
     assert y.shape == (0, N)
     assert gguf_kernels.kernel_types("cpu") == frozenset(BLOCK_FORMATS)
+
+
+@pytest.mark.skipif(not cpu_gguf.int8_types(), reason="this CPU has no VNNI int8 path")
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_16_bit_activations_take_the_int8_path_within_its_bound(name: str, m: int):
+    """bf16 x below LARGE_M rows, on a CPU with VNNI: x is quantized to int8 per block of
+    32. Its error is at most half a step (max|x_b| / 254) per element, so each output
+    moves by at most sum over blocks of max|x_b| / 254 * sum |w| there, plus the bf16
+    rounding of the output. One block of x holds an outlier (the worst case for a
+    per-block scale)."""
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    assert fmt.type_id in cpu_gguf.int8_types()
+    rng = rng_for("cpu-int8", name, m)
+    k = ragged_k(fmt)
+    raw = make_blocks(fmt, N, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[:, 40] = 30.0  # block 1's scale is set by this one value
+    x16 = x.to(torch.bfloat16)
+    blocks = torch.from_numpy(raw)
+    y = cpu_gguf.gguf_matmul(x16, blocks, fmt.type_id).double()
+    w = torch.from_numpy(gguf_dequantize(raw, GQ(fmt.type_id))).double()
+    xd = x16.double()
+    want = xd @ w.T
+    step = xd.abs().view(m, -1, 32).amax(-1) / 254  # [m, blocks]
+    bound = step @ w.abs().view(N, -1, 32).sum(-1).T + want.abs() * 2**-8
+    assert bool(((y - want).abs() <= bound * 1.01 + 1e-6).all())
+    exact = cpu_gguf.gguf_matmul(x16.float(), blocks, fmt.type_id).to(torch.bfloat16)
+    assert not torch.equal(exact.double(), y)  # the int8 path ran, not the exact one
 
 
 def _u8(*shape: int) -> torch.Tensor:

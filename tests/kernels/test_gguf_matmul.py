@@ -23,6 +23,7 @@ from deepinfer_kernels.gguf_matmul import GEMV_MAX_M, _gguf_gemv_kernel, gguf_ma
 from deepinfer_kernels.reference import dequantize_gguf
 from deepinfer_kernels.runtime import Target, run_launches
 from tests.kernels.gguf_helpers import assert_product, make_blocks, rng_for
+from tests.kernels.gguf_helpers import ragged_k as shared_ragged_k
 from tests.kernels.helpers import DEVICE
 
 FORMATS = {f.name: f for f in BLOCK_FORMATS.values()}
@@ -34,8 +35,9 @@ N = 40  # weight rows: more than one N tile of the interpreter's tiles (32), a r
 
 
 def ragged_k(fmt: BlockFormat) -> int:
-    """Several blocks, not a power of two: 7 x 32 = 224 or 3 x 256 = 768."""
-    return (7 if fmt.block_weights == 32 else 3) * fmt.block_weights
+    """Several blocks, not a power of two: 7 x 32 = 224 or 3 x 256 = 768 (fewer than the
+    oracle's tests: the interpreter is slow)."""
+    return shared_ragged_k(fmt, blocks_of_32=7)
 
 
 def case_data(fmt: BlockFormat, m: int, n: int, k: int, dtype: torch.dtype, *seed: object

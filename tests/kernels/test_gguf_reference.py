@@ -20,7 +20,13 @@ from gguf.quants import dequantize as gguf_dequantize
 import deepinfer_kernels
 from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS, BlockFormat, block_format
 from deepinfer_kernels.reference import dequantize_gguf, gguf_matmul
-from tests.kernels.gguf_helpers import FP16_FIELDS, assert_product, make_blocks, rng_for
+from tests.kernels.gguf_helpers import (
+    FP16_FIELDS,
+    assert_product,
+    make_blocks,
+    ragged_k,
+    rng_for,
+)
 from tests.kernels.helpers import DEVICE
 
 FORMATS = list(BLOCK_FORMATS.values())
@@ -85,11 +91,6 @@ def test_dequantize_strided_rows(name: str):
 # a relative 2^-9 (bf16) or 2^-12 (fp16) of the result, inside 1e-2.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 N = 24  # output features
-
-
-def ragged_k(fmt: BlockFormat) -> int:
-    """Several blocks, not a power of two: 11 x 32 = 352 or 3 x 256 = 768."""
-    return (11 if fmt.block_weights == 32 else 3) * fmt.block_weights
 
 
 def check_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, fmt: BlockFormat) -> None:

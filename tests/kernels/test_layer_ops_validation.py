@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deepinfer_kernels
-from deepinfer_kernels import activation, cpu_backend, reference, rotary
+from deepinfer_kernels import activation, cpu_backend, cpu_layer_ops, reference, rotary
 from tests.kernels.helpers import DEVICE
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -110,7 +110,8 @@ LAYER_OPS = ("rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul")
 
 def test_layer_ops_exported_by_every_backend():
     """``deepinfer_kernels`` (Triton), its ``cpu_backend`` and its ``reference`` all export
-    the four ops with the reference's signature; the CPU backend runs the reference's."""
+    the four ops with the reference's signature; the CPU backend runs its C ones
+    (``cpu_layer_ops``, same signature)."""
     # kernels.rms_norm is the function (it shadows its module's name in the package).
     rms_norm_module = importlib.import_module("deepinfer_kernels.rms_norm")
     triton_impl = {"rms_norm": rms_norm_module.rms_norm,
@@ -119,8 +120,9 @@ def test_layer_ops_exported_by_every_backend():
     for name in LAYER_OPS:
         assert name in deepinfer_kernels.__all__ and name in cpu_backend.__all__, name
         assert getattr(deepinfer_kernels, name) is triton_impl[name]
-        assert getattr(cpu_backend, name) is getattr(reference, name)
-        ours = inspect.signature(getattr(deepinfer_kernels, name))
+        assert getattr(cpu_backend, name) is getattr(cpu_layer_ops, name)
         ref = inspect.signature(getattr(reference, name))
-        assert [(p.name, p.default) for p in ours.parameters.values()] == [
-            (p.name, p.default) for p in ref.parameters.values()], name
+        for impl in (deepinfer_kernels, cpu_layer_ops):
+            ours = inspect.signature(getattr(impl, name))
+            assert [(p.name, p.default) for p in ours.parameters.values()] == [
+                (p.name, p.default) for p in ref.parameters.values()], name

@@ -10,7 +10,7 @@ from gguf import GGUFWriter
 from gguf.quants import quantize as gguf_quantize
 
 from deepinfer_kernels.gguf_blocks import block_format
-from tests.kernels.test_gguf_reference import GGUF_QUANTIZES, make_blocks, rng_for
+from tests.kernels.gguf_helpers import GGUF_QUANTIZES, make_blocks, rng_for
 
 # Every size a multiple of 256, so the K-quants (blocks of 256 weights) fit each row.
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320
