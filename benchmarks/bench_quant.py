@@ -221,9 +221,16 @@ def breakdown(model: str | None, tokens: int, quantization: str = "auto") -> dic
     emb.attend = timed("matmul lm_head", emb.attend)
     emb.lookup = timed("embedding rows", emb.lookup)
     backend = llm.engine.backend
-    saved = {op: getattr(backend, op) for op in _OPS}
+    saved = {op: getattr(backend, op) for op in (*_OPS, "bind_decoder_stack")}
     for op in _OPS:
         setattr(backend, op, timed(op, saved[op]))
+
+    def bind_timed(spec):  # the fused decode step, where the backend has one
+        fn = saved["bind_decoder_stack"](spec)
+        return None if fn is None else timed("decoder layers (one fused call)", fn)
+
+    backend.bind_decoder_stack = bind_timed
+    m.decoder_stack.reset()
     chat = [{"role": "user", "content": PROMPT}]
     try:
         llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -237,6 +244,7 @@ def breakdown(model: str | None, tokens: int, quantization: str = "auto") -> dic
     finally:
         for op, fn in saved.items():
             setattr(backend, op, fn)
+        m.decoder_stack.reset()
     (t1, s1), (tn, sn) = parts
     per = {k: (sn.get(k, 0.0) - s1.get(k, 0.0)) / (tokens - 1) * 1e3 for k in sn}
     per["step total"] = (tn - t1) / (tokens - 1) * 1e3

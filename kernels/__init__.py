@@ -40,6 +40,7 @@ if __name__ == "kernels":
 else:
     from deepinfer_kernels.ops import (
         add_rms_norm,
+        bind_decoder_stack,
         clone_blocks,
         clone_states,
         fused_moe,
@@ -74,4 +75,5 @@ else:
         "silu_and_mul",
         "sample_tokens",
         "gguf_matmul",
+        "bind_decoder_stack",
     ]

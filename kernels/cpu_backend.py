@@ -28,7 +28,9 @@ with a causal SDPA that needs no materialised mask when a sequence has no cached
 and K/V expanded (a stride-0 view, no copy) over the query heads of each KV head.
 
 The norms, RoPE and SiLU-and-mul are one C call each (``cpu_layer_ops``): in torch they
-are ~40 small ops a layer, most of a decode step's time once the weights are small.
+are ~40 small ops a layer, most of a decode step's time once the weights are small. A
+model whose projections are all GGUF blocks runs a decode step's whole stack of layers as
+one C call (``bind_decoder_stack``, :mod:`kernels.cpu_decoder`).
 
 ``store_kv`` is one C call (``kernels/csrc/store_kv_cpu.c``) for fp32/bf16 caches; otherwise
 it skips the reference's padding filter (two boolean-index copies) when no slot is
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import cpu_native, reference
+from deepinfer_kernels.cpu_decoder import bind_decoder_stack
 from deepinfer_kernels.cpu_layer_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from deepinfer_kernels.reference import (
     clone_blocks,
@@ -72,6 +75,7 @@ __all__ = [
     "rotary_qk",
     "silu_and_mul",
     "sample_tokens",
+    "bind_decoder_stack",
 ]
 
 # Gathered K+V bytes per decode chunk (fp32 K+V of SmolLM2-135M: ~2.7k tokens). Measured

@@ -37,9 +37,10 @@ __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
-# and with int8 activations), the decoder layer's elementwise ops, the K/V store.
+# and with int8 activations), the decoder layer's elementwise ops, the K/V store, and the
+# decode step's whole stack of layers made of them.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c",
-           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c")
+           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
@@ -56,6 +57,9 @@ _SIGNATURES = {
                       _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32, _I32, _I32],
     "silu_and_mul_cpu": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32],
     "store_kv_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32],
+    "decoder_stack_fields": [],
+    "decoder_stack_cpu": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
+                          _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _I32],
 }
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64

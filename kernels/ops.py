@@ -21,6 +21,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only where triton is
 else:
     _IMPORT_ERROR = None
 
+# Needs no Triton: no backend but the CPU one fuses the decode stack.
+from deepinfer_kernels.decoder_spec import bind_decoder_stack  # noqa: E402, F401
+
 if _IMPORT_ERROR is None:
     from deepinfer_kernels.activation import silu_and_mul
     from deepinfer_kernels.cache_ops import clone_blocks, clone_states, zero_states

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 # Re-exported: this module holds the reference of every op.
+from deepinfer_kernels.decoder_spec import bind_decoder_stack  # noqa: F401
 from deepinfer_kernels.gguf_reference import dequantize_gguf, gguf_matmul  # noqa: F401
 
 

@@ -8,7 +8,8 @@ test oracle). A module satisfies a ``Protocol`` structurally, so nothing registe
 tests/models/test_backend_protocol.py checks each of the three against these declarations,
 op by op and parameter by parameter.
 
-- ``ModelBackend``: what the decoder (attention, norms, RoPE, MLP, MoE) calls per layer.
+- ``ModelBackend``: what the decoder (attention, norms, RoPE, MLP, MoE) calls per layer,
+  and the fused decode stack a backend may offer in place of those calls.
 - ``KernelBackend``: that, plus what the runner and the sampler call around the forward
   (cache and state copies, token sampling). ``deepinfer.worker.resolve_backend`` picks one.
 
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+from deepinfer_kernels.decoder_spec import DecoderStackFn, DecoderStackSpec
 
 
 class ModelBackend(Protocol):
@@ -87,6 +90,12 @@ class ModelBackend(Protocol):
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU mixture-of-experts MLP of x ``[T, H]`` with experts' w13 ``[E, 2I, H]``
         and w2 ``[E, H, I]``, weighted by the routing; returns ``[T, H]``."""
+        ...
+
+    def bind_decoder_stack(self, spec: DecoderStackSpec) -> DecoderStackFn | None:
+        """A decode step's whole stack of layers as one fused call, bound once to the
+        model's weights (``deepinfer_kernels.decoder_spec``); None where this backend has
+        none for them, and the model runs layer by layer."""
         ...
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from deepinfer.config import ModelConfig
 from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.backend import ModelBackend
+from deepinfer.models.decoder_stack import DecoderStackBinding
 from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from deepinfer.models.moe import (
     SparseMoeBlock,
@@ -172,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling,
             cfg.rope_freq_factors, dtype=dtype, device=device)
+        # A backend's fused decode step over all the layers, where it has one.
+        self.decoder_stack = DecoderStackBinding()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -203,6 +206,12 @@ class LlamaForCausalLM(nn.Module):
             ``[T, hidden_size]`` final-normed hidden states, model dtype.
         """
         x = self.model.embed_tokens(input_ids)
+        if not meta.is_prompt:
+            hidden = self.decoder_stack.run(self, backend, x, positions, kv_cache,
+                                            meta.slot_mapping, meta.block_tables,
+                                            meta.seq_lens)
+            if hidden is not None:
+                return hidden
         rope = (self.rotary.cos_sin_cache, positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
@@ -230,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         fits a parameter exactly becomes it instead of being copied. Never for tensors
         over a memory-mapped file: adopting one keeps the whole file mapped (and every
         page read from it resident) for the model's life."""
+        self.decoder_stack.reset()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         stored_head = None
@@ -294,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
         gate/up) is kept quantized only when all its parts are planned with one type.
         Returns the checkpoint names whose layer now holds blocks. ``ValueError`` naming
         the tensor when a row (or this rank's part of one) is not whole blocks."""
+        self.decoder_stack.reset()
         groups: dict[str, list[tuple[str, int]]] = {}
         for name, qtype in plan.items():
             if name == "lm_head.weight" and self.lm_head is None:

@@ -1,0 +1,79 @@
+"""What a backend needs to run a model's whole stack of decoder layers as one fused call
+at decode (``bind_decoder_stack``, the plan/run split): the weights of each layer and the
+shapes that are the same for all of them. The model describes itself with these; a
+backend binds them once and returns the per-step function, or None where it has no fused
+stack for them (the model then runs layer by layer through the per-op kernels).
+
+Only the plain pre-norm Llama layer is described: fused q/k/v without bias, optional
+per-head q/k RMSNorm (Qwen3), RoPE, paged attention, gated MLP, all four projections
+kept as GGUF blocks. Other layers (biases, MoE, tensor parallelism) have no spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BlockWeight", "DecoderLayerWeights", "DecoderStackFn", "DecoderStackSpec",
+           "bind_decoder_stack"]
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A projection's weight kept as GGUF blocks: uint8 ``[out, row_bytes]`` and the ggml
+    type id."""
+
+    blocks: torch.Tensor
+    qtype: int
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One decoder layer. Norm weights ``[hidden]`` (q/k norms ``[head_dim]``, or None)
+    in the activation dtype; ``qkv`` rows are q, then k, then v; ``gate_up`` rows are
+    gate, then up."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: BlockWeight
+    o: BlockWeight
+    gate_up: BlockWeight
+    down: BlockWeight
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecoderStackSpec:
+    """The layers in order, the final norm ``[hidden]``, the RoPE cache ``[max_positions,
+    head_dim]`` (cos half, then sin half), the attention shapes and scale, and the one
+    RMSNorm epsilon every norm uses."""
+
+    layers: tuple[DecoderLayerWeights, ...]
+    final_norm: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
+
+
+#: ``f(x, positions, kv_cache, slot_mapping, block_tables, seq_lens)``: embeddings
+#: ``[T, hidden]``, positions ``[T]`` int64, the whole cache ``[L, 2, NB, BS, Hkv, D]``,
+#: slots ``[T]`` int64, tables ``[T, W]``, lengths ``[T]`` int32 (one query a sequence) ->
+#: the final-normed hidden states ``[T, hidden]``, or None when this step's inputs are
+#: not ones the fused call takes (the caller then runs layer by layer).
+DecoderStackFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
+    """The answer of a backend without a fused decoder stack (the Triton kernels, whose
+    decode steps CUDA graphs replay whole; the torch reference, which is the oracle op by
+    op): None, so the model runs its layers one by one."""
+    return None

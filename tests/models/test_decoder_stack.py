@@ -1,0 +1,114 @@
+"""The CPU backend's fused decode step (``bind_decoder_stack``: all decoder layers in one
+C call) against the same model run layer by layer through the same backend's per-op
+kernels: the same bits, in the logits and in the KV cache it writes, for fp32 and bf16
+activations and 1-3 sequences; and the steps and models it must leave to the per-layer
+path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import deepinfer_kernels
+from deepinfer.loading.loader import load_model
+from deepinfer.models.attention import AttentionMetadata
+from deepinfer.models.decoder_stack import decoder_stack_spec
+from deepinfer_kernels import cpu_backend, cpu_gguf
+from tests.models.paged_sim import PagedSim
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(),
+                                reason="native CPU kernels not built (no C compiler)")
+
+# The CPU backend with the fused step withheld: the model runs layer by layer.
+LAYER_BY_LAYER = SimpleNamespace(**{**{name: getattr(cpu_backend, name)
+                                       for name in cpu_backend.__all__},
+                                    "bind_decoder_stack": lambda spec: None})
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def auto_model(request, smollm2_path):
+    model, cfg = load_model(smollm2_path, dtype=request.param, quantization="auto")
+    return model, cfg, getattr(torch, request.param)
+
+
+def _sim(cfg, dtype: torch.dtype) -> PagedSim:
+    sim = PagedSim(cfg, num_blocks=24, block_size=8, seed=1)
+    # Unwritten slots hold garbage (the same in every sim).
+    sim.cache = torch.randn(sim.cache.shape, generator=torch.Generator().manual_seed(3)).to(
+        dtype)
+    return sim
+
+
+def _run(model, cfg, dtype, backend, prompts: dict[int, list[int]], steps: int):
+    sim = _sim(cfg, dtype)
+    g = torch.Generator().manual_seed(7)
+    logits = [sim.step(model, prompts, True, backend)]
+    for _ in range(steps):
+        chunk = {sid: torch.randint(3, cfg.vocab_size, (1,), generator=g).tolist()
+                 for sid in prompts}
+        logits.append(sim.step(model, chunk, False, backend))
+    return torch.cat(logits), sim.cache
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
+    model, cfg, dtype = auto_model
+    assert model.decoder_stack.get(model, cpu_backend) is not None
+    g = torch.Generator().manual_seed(num_seqs)
+    prompts = {s: torch.randint(3, cfg.vocab_size, (5 + 4 * s,), generator=g).tolist()
+               for s in range(num_seqs)}
+    fused, fused_cache = _run(model, cfg, dtype, cpu_backend, prompts, steps=6)
+    assert model.decoder_stack.get(model, LAYER_BY_LAYER) is None
+    plain, plain_cache = _run(model, cfg, dtype, LAYER_BY_LAYER, prompts, steps=6)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
+def test_fused_step_declines_what_it_does_not_take(auto_model):
+    model, cfg, dtype = auto_model
+    fn = model.decoder_stack.get(model, cpu_backend)
+    sim = _sim(cfg, dtype)
+    sim.step(model, {0: [5, 6, 7]}, True, cpu_backend)
+    x = torch.randn(1, cfg.hidden_size).to(dtype)
+    table = torch.tensor([sim.tables[0]], dtype=torch.int32)
+    good = dict(positions=torch.tensor([3]), slot_mapping=torch.tensor(
+        [sim.tables[0][0] * 8 + 3]), block_tables=table,
+        seq_lens=torch.tensor([4], dtype=torch.int32))
+
+    def call(**change):
+        args = {**good, **change}
+        return fn(x if "x" not in args else args.pop("x"), args["positions"], sim.cache,
+                  args["slot_mapping"], args["block_tables"], args["seq_lens"])
+
+    assert call() is not None
+    # A position outside the RoPE cache: declined, so the per-layer rerun names it.
+    assert call(positions=torch.tensor([cfg.max_positions + 5])) is None
+    assert call(slot_mapping=torch.tensor([10**9])) is None  # past the cache
+    assert call(seq_lens=torch.tensor([10**4], dtype=torch.int32)) is None  # table too short
+    # LARGE_M rows and more: the per-layer path multiplies through dequantized tiles.
+    m = cpu_gguf.LARGE_M
+    assert call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
+                slot_mapping=torch.arange(m), block_tables=table.expand(m, -1),
+                seq_lens=torch.full((m,), 4, dtype=torch.int32)) is None
+    assert call(seq_lens=torch.tensor([4], dtype=torch.int64)) is None
+    # Through the model: the declined step reruns layer by layer, which names the token.
+    meta = AttentionMetadata(False, good["slot_mapping"], table, good["seq_lens"],
+                             torch.tensor([0, 1], dtype=torch.int32), 1, 4)
+    with pytest.raises(IndexError, match="token 0 has position"), torch.inference_mode():
+        model(torch.tensor([9]), torch.tensor([cfg.max_positions + 5]), sim.cache, meta,
+              cpu_backend)
+
+
+def test_models_without_a_fused_step(smollm2_path):
+    none, _ = load_model(smollm2_path, dtype="float32", quantization="none")
+    assert decoder_stack_spec(none) is None  # float weights
+    auto, _ = load_model(smollm2_path, dtype="float32", quantization="auto")
+    assert decoder_stack_spec(auto) is not None
+    # The reference and the Triton kernels have none: their models run layer by layer.
+    assert auto.decoder_stack.get(auto, deepinfer_kernels.reference) is None
+    assert deepinfer_kernels.bind_decoder_stack(decoder_stack_spec(auto)) is None
+    auto.model.layers[3].self_attn.clip_qkv = 8.0  # OLMoE-style clipping: not the plain block
+    assert decoder_stack_spec(auto) is None
