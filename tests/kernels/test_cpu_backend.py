@@ -218,7 +218,9 @@ def test_same_ops_as_reference():
     layer_ops = ["rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul"]
     names = ["store_kv", "paged_decode_attention", "paged_prefill_attention", *torch_ops,
              *layer_ops]
-    assert sorted(cpu_backend.__all__) == sorted(names + ["gathered_decode_attention"])
+    # Plus its own: the fused decode stack (tests/models/test_decoder_stack.py).
+    assert sorted(cpu_backend.__all__) == sorted(
+        names + ["gathered_decode_attention", "bind_decoder_stack"])
     for name in torch_ops:
         assert getattr(cpu_backend, name) is getattr(reference, name)
 
