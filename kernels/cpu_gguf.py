@@ -1,26 +1,29 @@
 """GGUF-quantized weights on the CPU: the matmul and the dequantization of
 ``kernels/csrc/gguf_cpu.c`` (built into the native library, see ``cpu_native``).
 
-Two paths, picked by the number of activation rows M (``LARGE_M``, measured with
+Paths, picked by the activations' dtype and the number of rows M (measured with
 ``benchmarks/bench_quant.py``):
 
 - M < ``LARGE_M`` (single-stream decode): the C kernel reads the weights as stored (4-8
   bits a weight) and decodes each row into fp32 once for all M rows; a step's cost is
-  the bytes of the file, not of a dequantized copy.
-- M >= ``LARGE_M`` (prefill, batched decode): the step is compute-bound, so the
-  weights are dequantized by the C kernel into a reused per-thread tile in the
-  activations' dtype and multiplied by torch's BLAS (bf16 where the CPU has it), which
-  uses the vector units better than the C dot loop.
+  the bytes of the file, not of a dequantized copy. For 16-bit activations, Q4_0, Q4_1
+  and Q8_0 take ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI
+  (``int8_types()``): x is quantized per block of 32 to int8 and multiplied with the
+  weight codes by integer dot products, as llama.cpp does, ~4x fewer instructions a
+  weight than decoding to fp32. Its error, at most half a step of 1/127 of a block's
+  largest |x| per element, stays inside the 2e-2 that 16-bit activations are held to;
+  fp32 activations always take the exact path.
+- bf16 activations from 2 rows (from ``LARGE_M`` for the int8 types), where the CPU has
+  AVX512-BF16 (``bf16_gemm()``): ``kernels/csrc/gguf_gemm_bf16_cpu.c`` decodes 32
+  weight rows at a time into a bf16 panel that stays in cache and multiplies every x
+  row against it. No dequantized copy of the weight is ever whole; on 2 cores it runs
+  at the speed of torch's bf16 GEMM on a dequantized weight from memory, or faster
+  (batched decode: 1.2x the throughput of dequantize-at-load).
+- Otherwise M >= ``LARGE_M`` (fp32 or fp16 activations, or no AVX512-BF16): the weight
+  is dequantized by the C kernel into a reused tile in the activations' dtype and
+  multiplied by torch's BLAS.
 
-For 16-bit activations (bf16, fp16) below ``LARGE_M`` rows, Q4_0, Q4_1 and Q8_0 take
-``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI (``int8_types()``): x is
-quantized per block of 32 to int8 and multiplied with the weight codes by integer dot
-products, as llama.cpp does, ~4x fewer instructions a weight than decoding to fp32. Its
-error, at most half a step of 1/127 of a block's largest |x| per element, stays inside
-the 2e-2 that 16-bit activations are held to; fp32 activations always take the exact
-path.
-
-Both accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
+All accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
 per-call function a layer keeps (the plan/run split: a decoder makes ~120 of these calls
 a token, so per-call checks would cost as much as the small matmuls themselves).
 """
@@ -38,17 +41,18 @@ from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_args, fail
 from deepinfer_kernels.workspace import scratch
 
-__all__ = ["LARGE_M", "available", "bind_gguf_matmul", "dequantize_gguf", "gguf_matmul",
-           "int8_types", "kernel_types"]
+__all__ = ["LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul", "dequantize_gguf",
+           "gguf_matmul", "int8_types", "kernel_types"]
 
-#: Activation rows from which the matmul dequantizes a tile and calls torch's BLAS. On 2
-#: cores (bf16, the default model, 128 requests of 16-128 tokens): 32 gave 0.78x the
-#: throughput of dequantize-at-load, 16 about 0.9x, 4 about parity; one row (single-stream
-#: decode) is where the blocks win, 3x.
+#: Activation rows from which the matmul stops reading the weights row by row: the bf16
+#: GEMM or, without it, a dequantized tile and torch's BLAS. With the tile, on 2 cores
+#: (bf16, the default model, 128 requests of 16-128 tokens): 32 gave 0.78x the
+#: throughput of dequantize-at-load, 16 about 0.9x, 4 about parity; one row
+#: (single-stream decode) is where the blocks win, 3x.
 LARGE_M = 4
 _DIRECT = (torch.float32, torch.bfloat16)  # x and out dtypes the C kernel reads and writes
 _ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
-           3: "out of memory for a row buffer"}
+           3: "out of memory for a row buffer", 4: "no bf16 GEMM in this build"}
 
 
 def available() -> bool:
@@ -64,6 +68,14 @@ def int8_types() -> frozenset[int]:
         return frozenset()
     mask = lib.gguf_int8_types()
     return frozenset(i for i in BLOCK_FORMATS if (mask >> i) & 1)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_gemm() -> bool:
+    """Whether this CPU's build has the bf16 GEMM that decodes weight panels in place
+    (AVX512-BF16): bf16 activations of ``LARGE_M`` rows or more take it."""
+    lib = native_library()
+    return lib is not None and bool(lib.gguf_gemm_bf16_available())
 
 
 def kernel_types() -> frozenset[int]:
@@ -111,10 +123,29 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: int,
     return out if direct else out.to(dtype)
 
 
+def _uses_gemm(m: int, dtype: torch.dtype, qtype: int) -> bool:
+    """Whether ``m`` rows of ``dtype`` go to the bf16 GEMM: bf16 from 2 rows, except that
+    the types with the int8 path keep it below ``LARGE_M`` (measured, 2 cores: from 2
+    rows the GEMM beats the exact kernel, which decodes every weight to fp32; the int8
+    kernel stays ahead of it up to 3 rows). ``decoder_cpu.c:product`` makes the same
+    choice, so the fused decode step gives the same bits."""
+    if dtype != torch.bfloat16 or m < 2 or not bf16_gemm():
+        return False
+    return m >= LARGE_M or qtype not in int8_types()
+
+
 def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
             out: torch.Tensor | None) -> torch.Tensor:
     """Checked arguments: ``x [M, K] @ W.T`` -> ``[M, N]`` in x's dtype."""
     m, n = x.shape[0], blocks.shape[0]
+    if x.stride(1) == 1 and _uses_gemm(m, x.dtype, qtype):
+        # Decoded panel by panel inside the GEMM (gguf_gemm_bf16_cpu.c): no tile.
+        direct = out is not None and out.dtype == x.dtype and out.stride(1) == 1
+        res = out if direct else torch.empty((m, n), dtype=x.dtype)
+        _check_rc(_library().gguf_gemm_bf16_cpu(
+            x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), n, blocks.stride(0), qtype,
+            res.data_ptr(), res.stride(0), 1, torch.get_num_threads()), "gguf_matmul")
+        return res if direct or out is None else out.copy_(res)
     if m >= LARGE_M:
         tile_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         w = scratch("gguf-tile", n * k, tile_dtype).view(n, k)
@@ -181,7 +212,8 @@ def bind_gguf_matmul(blocks: torch.Tensor, qtype: int
             fail("x", f"a CPU tensor [M, {k}] (K of this {fmt.name} weight)",
                  f"shape {tuple(x.shape)} on {x.device}")
         m, dtype = x.shape[0], x.dtype
-        if m >= LARGE_M or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT:
+        if (m >= LARGE_M or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT
+                or _uses_gemm(m, dtype, type_id)):
             return _matmul(x, b, type_id, k, None)
         # The decode step's path, ~120 calls a token: straight to the kernel.
         out = torch.empty((m, n), dtype=dtype)

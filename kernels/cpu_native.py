@@ -37,10 +37,11 @@ __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
-# and with int8 activations), the decoder layer's elementwise ops, the K/V store, and the
-# decode step's whole stack of layers made of them.
+# with int8 activations, and the bf16 GEMM for many rows), the decoder layer's
+# elementwise ops, the K/V store, and the decode step's whole stack of layers made of them.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c",
-           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c")
+           _CSRC / "gguf_gemm_bf16_cpu.c", _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c",
+           _CSRC / "decoder_cpu.c")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
@@ -50,6 +51,9 @@ _SIGNATURES = {
     "gguf_matmul_int8_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR,
                              _I64, _I32, _I32],
     "gguf_int8_types": [],
+    "gguf_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I32, _PTR, _I64, _I32,
+                           _I32],
+    "gguf_gemm_bf16_available": [],
     "gguf_dequantize_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _I32],
     "rms_norm_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32,
                      _I32, _I32],

@@ -33,6 +33,10 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
 int64_t gguf_matmul_int8_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
                              const uint8_t *w, int64_t n, int64_t ldw, int32_t qtype,
                              void *out, int64_t ldo, int32_t out_bf16, int32_t threads);
+int64_t gguf_gemm_bf16_available(void);
+int64_t gguf_gemm_bf16_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
+                           int64_t n, int64_t ldw, int32_t qtype, void *out, int64_t ldo,
+                           int32_t out_bf16, int32_t threads);
 int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_rin,
                      void *res_out, int64_t ld_rout, const void *w, void *out, int64_t ldo,
                      int64_t t, int64_t h, float eps, int32_t bf16, int32_t threads);
@@ -64,8 +68,9 @@ int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
 #define P(v) ((void *)(intptr_t)(v))
 
-/* x [m, k] @ W.T -> out [m, n], the kernel the per-layer path binds: int8 activations for
- * 16-bit x where this CPU and type have them, else the exact one. */
+/* x [m, k] @ W.T -> out [m, n] (m < LARGE_M), the kernel the per-layer path picks
+ * (cpu_gguf.py:_uses_gemm): int8 activations for bf16 x where this CPU and type have
+ * them, the bf16 GEMM for 2 or more bf16 rows of the other types, else the exact one. */
 static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, int64_t n,
                        void *out, int bf16, int64_t int8_mask, int threads) {
     const uint8_t *blocks = P(w[0]);
@@ -74,6 +79,8 @@ static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, in
     if (bf16 && ((int8_mask >> qtype) & 1))
         return gguf_matmul_int8_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, n, bf16,
                                     threads);
+    if (bf16 && m >= 2 && gguf_gemm_bf16_available())
+        return gguf_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, qtype, out, n, 1, threads);
     return gguf_matmul_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, n, bf16, threads);
 }
 

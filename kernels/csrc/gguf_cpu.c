@@ -425,6 +425,25 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
     return failed ? NO_MEMORY : 0;
 }
 
+/* Rows of w decoded into bfloat16 rows of out (`ldo` elements apart), on the calling
+ * thread; `row` is a 64-byte aligned buffer of k floats. The fused bf16 GEMM
+ * (gguf_gemm_bf16_cpu.c) decodes its weight panels with it. */
+int64_t gguf_decode_rows_bf16(const uint8_t *w, int64_t n, int64_t k, int64_t ldw,
+                              int32_t qtype, uint16_t *out, int64_t ldo, float *row) {
+    int64_t rc;
+    const format *f = check(qtype, k, &rc);
+    if (!f) return rc;
+    for (int64_t j = 0; j < n; j++) {
+        decode_row(qtype, w + j * ldw, k / f->block_weights, row);
+        uint16_t *dst = out + j * ldo;
+        for (int64_t i = 0; i < k; i += 16) {
+            v16u16 h = bf16x16(get(row + i));
+            memcpy(dst + i, &h, sizeof h);
+        }
+    }
+    return 0;
+}
+
 /* Rows of w decoded into out [N, K] (rows `ldo` elements apart): float32, or bfloat16
  * when out_bf16. */
 int64_t gguf_dequantize_cpu(const uint8_t *w, int64_t n, int64_t k, int64_t ldw,
@@ -440,16 +459,11 @@ int64_t gguf_dequantize_cpu(const uint8_t *w, int64_t n, int64_t k, int64_t ldw,
         failed = out_bf16 && row == NULL;
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
-            if (!out_bf16) {
+            if (!out_bf16)
                 decode_row(qtype, w + j * ldw, k / f->block_weights, (float *)out + j * ldo);
-            } else if (row) {
-                decode_row(qtype, w + j * ldw, k / f->block_weights, row);
-                uint16_t *dst = (uint16_t *)out + j * ldo;
-                for (int64_t i = 0; i < k; i += 16) {
-                    v16u16 h = bf16x16(get(row + i));
-                    memcpy(dst + i, &h, sizeof h);
-                }
-            }
+            else if (row)
+                gguf_decode_rows_bf16(w + j * ldw, 1, k, ldw, qtype, (uint16_t *)out + j * ldo,
+                                      ldo, row);
         }
         free(row);
     }

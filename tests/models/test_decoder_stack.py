@@ -17,6 +17,7 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
 from tests.models.paged_sim import PagedSim
+from tests.models.quantized_gguf import write_quantized_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(),
                                 reason="native CPU kernels not built (no C compiler)")
@@ -67,6 +68,22 @@ def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
     assert torch.equal(fused_cache, plain_cache)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
+    """A tiny model of K-quant blocks (no int8 path: 2-3 bf16 rows take the bf16 GEMM
+    where the CPU has it, one row the exact kernel), bf16, 3 sequences: the fused step
+    and the per-layer path pick the same kernel per product, so the same bits."""
+    path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
+    model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
+    assert model.decoder_stack.get(model, cpu_backend) is not None
+    prompts = {s: list(range(3 + s, 9 + 3 * s)) for s in range(3)}
+    fused, fused_cache = _run(model, cfg, torch.bfloat16, cpu_backend, prompts, steps=4)
+    plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=4)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
 def test_fused_step_declines_what_it_does_not_take(auto_model):
     model, cfg, dtype = auto_model
     fn = model.decoder_stack.get(model, cpu_backend)
@@ -88,7 +105,7 @@ def test_fused_step_declines_what_it_does_not_take(auto_model):
     assert call(positions=torch.tensor([cfg.max_positions + 5])) is None
     assert call(slot_mapping=torch.tensor([10**9])) is None  # past the cache
     assert call(seq_lens=torch.tensor([10**4], dtype=torch.int32)) is None  # table too short
-    # LARGE_M rows and more: the per-layer path multiplies through dequantized tiles.
+    # LARGE_M rows and more: left to the per-layer path.
     m = cpu_gguf.LARGE_M
     assert call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
                 slot_mapping=torch.arange(m), block_tables=table.expand(m, -1),

@@ -1,0 +1,184 @@
+/* GGUF block weights times bfloat16 activations, for M >= 4 rows (batched decode,
+ * prefill), on CPUs with AVX512-BF16. Built with the other C kernels by
+ * kernels/cpu_native.py.
+ *
+ * Why: the large-M path used to decode a whole weight into a bf16 tile and hand it to
+ * torch's BLAS. That decode is as long as the GEMM itself at a few rows, and the tile of a
+ * large weight (a 49152-row head: 56 MB) leaves the caches before the BLAS reads it back.
+ * Here each thread decodes PANEL weight rows into a bf16 panel that stays in L1/L2, then
+ * multiplies every x row against it (vdpbf16ps: 32 bf16 products summed into 16 fp32
+ * lanes per instruction). A weight is read as stored, 4-8 bits, once per call.
+ *
+ * Numbers: the weights are rounded to bf16 once, exactly as the tile path rounds them;
+ * products are exact in fp32 and summed in fp32, in lane order rather than a BLAS's, so
+ * results agree with the tile path to fp32 rounding of the sums.
+ *
+ *   x    [M, K]    bfloat16, rows `ldx` elements apart (K: whole blocks, so whole 32s)
+ *   w    [N, row]  uint8 blocks (layouts as in kernels/gguf_blocks.py), rows `ldw` bytes
+ *   out  [M, N]    float32, or bfloat16 when out_bf16, rows `ldo` elements apart
+ * Returns 0, BAD_TYPE / BAD_SHAPE as gguf_cpu.c, NO_MEMORY, or NO_KERNEL when this build
+ * has no AVX512-BF16 (the caller takes the tile path).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_GEMM 1
+#endif
+
+#define NO_MEMORY 3
+#define NO_KERNEL 4
+
+int64_t gguf_decode_rows_bf16(const uint8_t *w, int64_t n, int64_t k, int64_t ldw,
+                              int32_t qtype, uint16_t *out, int64_t ldo, float *row);
+
+/* 1 where this build has the kernel (the CPU it was built for has AVX512-BF16). */
+int64_t gguf_gemm_bf16_available(void) {
+#ifdef HAVE_BF16_GEMM
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_BF16_GEMM
+#define PANEL 32 /* weight rows a thread decodes at a time: 32 x K bf16 stays in L1/L2 */
+#define WR 4     /* weight rows per micro-kernel call */
+#define XR 6     /* x rows per micro-kernel call: 6 x 4 accumulators + 4 weights + 1 x */
+
+/* The lane sums of four accumulators: [sum a0, sum a1, sum a2, sum a3]. */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* R x rows (ldx apart) against WR decoded weight rows (k apart): res[r] holds the WR
+ * dot products of x row r. Written out per R so the accumulators live in registers. */
+#define MICRO_KERNEL(R)                                                                   \
+    static void micro_##R(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,   \
+                          __m128 *res) {                                                  \
+        __m512 acc[R][WR];                                                                \
+        for (int r = 0; r < R; r++)                                                       \
+            for (int c = 0; c < WR; c++) acc[r][c] = _mm512_setzero_ps();                 \
+        for (int64_t i = 0; i < k; i += 32) {                                             \
+            __m512bh w0 = (__m512bh)_mm512_load_si512(w + i);                             \
+            __m512bh w1 = (__m512bh)_mm512_load_si512(w + k + i);                         \
+            __m512bh w2 = (__m512bh)_mm512_load_si512(w + 2 * k + i);                     \
+            __m512bh w3 = (__m512bh)_mm512_load_si512(w + 3 * k + i);                     \
+            for (int r = 0; r < R; r++) {                                                 \
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + i);              \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);                          \
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);                          \
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);                          \
+                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);                          \
+            }                                                                             \
+        }                                                                                 \
+        for (int r = 0; r < R; r++)                                                       \
+            res[r] = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);                 \
+    }
+MICRO_KERNEL(1)
+MICRO_KERNEL(2)
+MICRO_KERNEL(3)
+MICRO_KERNEL(4)
+MICRO_KERNEL(5)
+MICRO_KERNEL(6)
+#undef MICRO_KERNEL
+
+static inline uint16_t to_bf16(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* cols (1..4) results of one x row into out at `at` (bf16: rounded to nearest even, as
+ * to_bf16, in one instruction for a full group). */
+static inline void store(void *out, int64_t at, __m128 v, int64_t cols, int out_bf16) {
+    if (cols == WR) {
+        if (out_bf16)
+            _mm_storel_epi64((__m128i *)((uint16_t *)out + at), (__m128i)_mm_cvtneps_pbh(v));
+        else
+            _mm_storeu_ps((float *)out + at, v);
+        return;
+    }
+    float f[4];
+    _mm_storeu_ps(f, v);
+    if (out_bf16) {
+        uint16_t *o = (uint16_t *)out + at;
+        for (int64_t c = 0; c < cols; c++) o[c] = to_bf16(f[c]);
+    } else {
+        memcpy((float *)out + at, f, (size_t)cols * sizeof(float));
+    }
+}
+
+/* Every x row against one decoded panel of `rows` weight rows (padded with zero rows to
+ * a multiple of WR), written to out columns j0... */
+static void panel_times_x(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                          const uint16_t *panel, int64_t rows, int64_t j0, void *out,
+                          int64_t ldo, int out_bf16) {
+    for (int64_t r = 0; r < m; r += XR) {
+        int64_t cnt = m - r < XR ? m - r : XR;
+        const uint16_t *xr = x + r * ldx;
+        for (int64_t c = 0; c < rows; c += WR) {
+            __m128 res[XR];
+            const uint16_t *wc = panel + c * k;
+            switch (cnt) {
+            case 6: micro_6(xr, ldx, wc, k, res); break;
+            case 5: micro_5(xr, ldx, wc, k, res); break;
+            case 4: micro_4(xr, ldx, wc, k, res); break;
+            case 3: micro_3(xr, ldx, wc, k, res); break;
+            case 2: micro_2(xr, ldx, wc, k, res); break;
+            default: micro_1(xr, ldx, wc, k, res); break;
+            }
+            int64_t cols = rows - c < WR ? rows - c : WR;
+            for (int64_t i = 0; i < cnt; i++)
+                store(out, (r + i) * ldo + j0 + c, res[i], cols, out_bf16);
+        }
+    }
+}
+#endif
+
+int64_t gguf_gemm_bf16_cpu(const void *xv, int64_t m, int64_t k, int64_t ldx,
+                           const uint8_t *w, int64_t n, int64_t ldw, int32_t qtype,
+                           void *out, int64_t ldo, int32_t out_bf16, int32_t threads) {
+#ifndef HAVE_BF16_GEMM
+    (void)xv; (void)m; (void)k; (void)ldx; (void)w; (void)n; (void)ldw; (void)qtype;
+    (void)out; (void)ldo; (void)out_bf16; (void)threads;
+    return NO_KERNEL;
+#else
+    /* The type and K are checked by the decoder (no rows decoded). */
+    const uint16_t *x = xv;
+    int64_t rc = gguf_decode_rows_bf16(w, 0, k, ldw, qtype, NULL, 0, NULL);
+    if (rc) return rc;
+    if (k % 32) return 2; /* every block type is whole 32s, so check() already refused */
+    int64_t groups = (n + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        /* k is a multiple of 32, so every panel row starts 64-byte aligned. */
+        uint16_t *panel = aligned_alloc(64, (size_t)(PANEL * k) * sizeof(uint16_t));
+        float *row = aligned_alloc(64, (size_t)k * sizeof(float));
+        failed = panel == NULL || row == NULL;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (failed) continue; /* every thread takes part in the loop */
+            int64_t j0 = g * PANEL, rows = n - j0 < PANEL ? n - j0 : PANEL;
+            gguf_decode_rows_bf16(w + j0 * ldw, rows, k, ldw, qtype, panel, k, row);
+            int64_t padded = (rows + WR - 1) / WR * WR;
+            if (padded > rows)
+                memset(panel + rows * k, 0, (size_t)((padded - rows) * k) * sizeof(uint16_t));
+            panel_times_x(x, m, k, ldx, panel, rows, j0, out, ldo, out_bf16);
+        }
+        free(panel);
+        free(row);
+    }
+    return failed ? NO_MEMORY : 0;
+#endif
+}
