@@ -19,7 +19,7 @@ from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from deepinfer_kernels.gguf_reference import dequantize_gguf
 from deepinfer_kernels.validation import check_gguf_blocks
 
-__all__ = ["bind_dequantize", "bind_gguf_matmul", "kernel_types"]
+__all__ = ["bind_dequantize", "bind_gguf_matmul", "expert_kernel_types", "kernel_types"]
 
 
 def kernel_types(device: torch.device | str) -> frozenset[int]:
@@ -30,6 +30,17 @@ def kernel_types(device: torch.device | str) -> frozenset[int]:
     if kind == "cuda" and _triton_matmul() is not None:
         return frozenset(BLOCK_FORMATS)
     return frozenset()
+
+
+def expert_kernel_types(device: torch.device | str) -> frozenset[int]:
+    """ggml type ids whose mixture-of-experts weights can stay quantized on ``device``.
+
+    The CPU: every type with a kernel. A model multiplies such experts one at a time
+    through :func:`bind_gguf_matmul` (grouped by expert, as the reference ``fused_moe``),
+    which needs the tokens-per-expert counts on the host. On CUDA that is a sync per
+    layer inside a decode step and cannot be captured in a CUDA graph, and the Triton
+    fused MoE GEMM does not read blocks yet: none there (the experts are dequantized)."""
+    return kernel_types(device) if torch.device(device).type == "cpu" else frozenset()
 
 
 def _triton_matmul() -> Callable | None:

@@ -154,25 +154,38 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{kind}"
 
 
-def quantized_plan(gguf: GGUFFile, kernel_types: frozenset[int]
+def quantized_plan(gguf: GGUFFile, kernel_types: frozenset[int],
+                   expert_types: frozenset[int] = frozenset()
                    ) -> tuple[dict[str, int], set[str]]:
     """Which weights can stay GGUF blocks: ``({hf_name: ggml type id}, names of the block
-    types found without a kernel)``. Candidates are the 2-D weights of block types (not
-    F32/F16/BF16) that land in one Linear or embedding: experts (stacked or one tensor
-    each) and Qwen2-MoE's vector-shaped shared-expert gate are left out; a candidate
-    whose type is not in ``kernel_types`` is dequantized instead."""
+    types found without a kernel)``. Candidates are the weights of block types (not
+    F32/F16/BF16) that land in one Linear or embedding, and the experts (per expert, a
+    stacked tensor's slices each named) where their type is in ``expert_types``;
+    Qwen2-MoE's vector-shaped shared-expert gate is left out. A candidate whose type has
+    no kernel is dequantized instead (experts on a device with no expert kernels at all
+    are named in the second set as ``"<type> experts"``)."""
     plan: dict[str, int] = {}
     missing: set[str] = set()
     for t in gguf.tensors:
         qtype = Q(t.tensor_type)
-        if int(qtype) not in BLOCK_FORMATS or len(t.shape) != 2:
+        if int(qtype) not in BLOCK_FORMATS:
             continue
         name = hf_name(t.name)
-        if (name is None or "{}" in name or ".experts." in name
-                or name.endswith("shared_expert_gate.weight")):
+        if name is None or name.endswith("shared_expert_gate.weight"):
             continue
-        if int(qtype) in kernel_types:
-            plan[name] = int(qtype)
+        if "{}" in name or ".experts." in name:
+            if not expert_types:
+                missing.add(f"{qtype.name} experts")
+                continue
+            names = ([name.format(e) for e in range(int(t.shape[-1]))] if "{}" in name
+                     else [name])
+            types = expert_types
+        elif len(t.shape) == 2:
+            names, types = [name], kernel_types
+        else:
+            continue
+        if int(qtype) in types:
+            plan.update(dict.fromkeys(names, int(qtype)))
         else:
             missing.add(qtype.name)
     return plan, missing
@@ -188,7 +201,7 @@ def iter_gguf(gguf: GGUFFile, cfg: ModelConfig, keep: Container[str] = ()
         name = hf_name(t.name)
         if name is None:
             continue
-        if name in keep:
+        if name in keep or ("{}" in name and name.format(0) in keep):
             w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
         else:
             w = torch.from_numpy(np.ascontiguousarray(tensor_to_numpy(t)))

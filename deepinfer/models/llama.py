@@ -30,6 +30,7 @@ from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from deepinfer.models.moe import (
     SparseMoeBlock,
     canonical_moe_name,
+    expert_stack,
     expert_weight_keys,
     is_absent_shared_expert_tensor,
     is_expert_tensor,
@@ -306,13 +307,21 @@ class LlamaForCausalLM(nn.Module):
         the tensor when a row (or this rank's part of one) is not whole blocks."""
         self.decoder_stack.reset()
         groups: dict[str, list[tuple[str, int]]] = {}
+        experts: dict[str, dict[str, int]] = {}  # MoE block -> its experts' names
         for name, qtype in plan.items():
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding's blocks serve both
+            stack = expert_stack(canonical_moe_name(name))
+            if stack is not None:
+                experts.setdefault(stack[0], {})[name] = qtype
+                continue
             target = self._fused_target(canonical_moe_name(name))[0]
             groups.setdefault(target, []).append((name, qtype))
         modules = dict(self.named_modules())
         keep: set[str] = set()
+        for block, parts in experts.items():
+            if isinstance(modules.get(block), SparseMoeBlock):
+                keep |= modules[block].keep_quantized(parts)
         for target, parts in groups.items():
             fused = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
             if len({q for _, q in parts}) != 1 or len(parts) != fused:

@@ -25,12 +25,15 @@ from deepinfer.config import ModelConfig
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.layers import GatedMLP
 from deepinfer.models.parallel_layers import Linear
+from deepinfer.models.quantized import block_parameter
+from deepinfer.models.quantized_experts import ExpertMatmuls, experts_from_blocks
 from deepinfer.models.tensor_parallel import (
     SINGLE,
     TPGroup,
     local_sizes,
     stacked_gate_up_shard,
 )
+from deepinfer_kernels import gguf_kernels
 
 #: Per-expert tensor name -> (block prefix, expert, projection).
 _PER_EXPERT = re.compile(
@@ -71,11 +74,49 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # (w13 type, w2 type) when the experts are kept as GGUF blocks, and their products
+        # bound after loading (bind_expert_kernels).
+        self.experts_qtypes: tuple[int, int] | None = None
+        self.expert_matmuls: list[ExpertMatmuls] = []
+
+    def keep_quantized(self, parts: dict[str, int]) -> set[str]:
+        """Hold the experts as GGUF blocks (before they are materialised): ``w13`` uint8
+        ``[E, 2I, row_bytes(H)]`` and ``w2`` ``[E, H, row_bytes(I)]``. ``parts``: this
+        block's per-expert checkpoint names planned quantized -> ggml type id. Taken only
+        whole: every expert's gate, up and down planned, gate and up of one type, down of
+        one type; returns the names kept (none otherwise). ``ValueError`` naming a tensor
+        whose rows (this rank's part under tensor parallelism) are not whole blocks."""
+        stacks: dict[str, dict[str, int]] = {"w13": {}, "w2": {}}
+        for name, qtype in parts.items():
+            stack = expert_stack(canonical_moe_name(name))
+            if stack is not None:
+                stacks[stack[1]][name] = qtype
+        w13, w2 = stacks["w13"], stacks["w2"]
+        if (len(w13) != 2 * self.num_experts or len(w2) != self.num_experts
+                or len(set(w13.values())) != 1 or len(set(w2.values())) != 1):
+            return set()
+        q13, q2 = next(iter(w13.values())), next(iter(w2.values()))
+        self.w13 = block_parameter(self.w13, q13, min(w13))
+        self.w2 = block_parameter(self.w2, q2, min(w2))
+        self.experts_qtypes = (q13, q2)
+        return set(w13) | set(w2)
+
+    def bind_expert_kernels(self) -> None:
+        """Bind each expert's GGUF products to its blocks (after loading; again after
+        the weights move)."""
+        q13, q2 = self.experts_qtypes
+        self.expert_matmuls = [
+            (gguf_kernels.bind_gguf_matmul(self.w13[e], q13),
+             gguf_kernels.bind_gguf_matmul(self.w2[e], q2)) for e in range(self.num_experts)]
 
     def forward(self, x: torch.Tensor, backend: ModelBackend) -> torch.Tensor:
         """x ``[T, hidden]`` (model dtype, contiguous) -> ``[T, hidden]`` same dtype."""
         weights, ids = backend.moe_route(self.gate(x), self.top_k, self.renormalize)
-        out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.experts_qtypes is None:
+            out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = experts_from_blocks(x, self.expert_matmuls, weights, ids,
+                                      backend.silu_and_mul)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
         return self.tp.all_reduce(out)
@@ -103,6 +144,13 @@ def is_absent_shared_expert_tensor(name: str, tensor: torch.Tensor, cfg: ModelCo
         raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
                          f"expected a zero-size tensor (shared_expert_intermediate_size=0)")
     return True
+
+
+def expert_stack(name: str) -> tuple[str, str] | None:
+    """``(block prefix, "w13" or "w2")`` of a per-expert checkpoint tensor name (after
+    :func:`canonical_moe_name`); None for any other name."""
+    m = _PER_EXPERT.match(name)
+    return None if m is None else (m["block"], _PROJ[m["proj"]][0])
 
 
 def canonical_moe_name(name: str) -> str:

@@ -21,6 +21,23 @@ from deepinfer_kernels.gguf_blocks import block_format
 _QUANTIZABLE = (Linear, Embedding)
 
 
+def block_parameter(weight: torch.Tensor, qtype: int, name: str) -> nn.Parameter:
+    """The uint8 parameter ``[..., rows, row_bytes]`` that holds float ``weight``
+    ``[..., rows, K]`` (unmaterialised, e.g. on the meta device) as ``qtype`` blocks, on
+    its device. ``ValueError`` naming checkpoint tensor ``name`` when K (this rank's part of
+    a row under tensor parallelism) is not whole blocks."""
+    k = weight.shape[-1]
+    fmt = block_format(qtype)
+    if k % fmt.block_weights:  # whole in the file (the reader checks): a TP split's part
+        raise ValueError(
+            f"checkpoint tensor {name!r}: this rank's part of a row, {k} weights, would cut "
+            f"through a {fmt.name} block of {fmt.block_weights}; pick a tensor-parallel "
+            f"size that splits it at block boundaries, or load with quantization='none'")
+    shape = (*weight.shape[:-1], fmt.row_bytes(k, name=name))
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=weight.device),
+                        requires_grad=False)
+
+
 def keep_quantized(module: nn.Module, qtype: int, name: str) -> None:
     """Make ``module`` (a Linear or Embedding, weight still unmaterialised, e.g. on the
     meta device) hold its weight as ``qtype`` blocks: uint8 ``[out, row_bytes]``.
@@ -28,17 +45,7 @@ def keep_quantized(module: nn.Module, qtype: int, name: str) -> None:
     them under tensor parallelism) are not whole blocks."""
     if not isinstance(module, _QUANTIZABLE):
         raise TypeError(f"{name}: a {type(module).__name__} cannot hold GGUF blocks")
-    rows, k = module.weight.shape
-    fmt = block_format(qtype)
-    if k % fmt.block_weights:  # whole in the file (the reader checks): a TP split's part
-        raise ValueError(
-            f"checkpoint tensor {name!r}: this rank's part of a row, {k} weights, would cut "
-            f"through a {fmt.name} block of {fmt.block_weights}; pick a tensor-parallel "
-            f"size that splits it at block boundaries, or load with quantization='none'")
-    row_bytes = fmt.row_bytes(k, name=name)
-    module.weight = nn.Parameter(
-        torch.empty((rows, row_bytes), dtype=torch.uint8, device=module.weight.device),
-        requires_grad=False)
+    module.weight = block_parameter(module.weight, qtype, name)
     module.qtype = int(qtype)
 
 
@@ -47,6 +54,8 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     ``gguf_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
     gathered rows to ``dtype`` (the model's activations)."""
     for module in model.modules():
+        if getattr(module, "experts_qtypes", None) is not None:  # a SparseMoeBlock's experts
+            module.bind_expert_kernels()
         if not isinstance(module, _QUANTIZABLE) or module.qtype is None:
             continue
         module.gguf_matmul = gguf_kernels.bind_gguf_matmul(module.weight, module.qtype)
@@ -56,9 +65,14 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def quantized_layers(model: nn.Module) -> dict[str, int]:
-    """``{module name: ggml type id}`` of the layers holding GGUF blocks."""
-    return {name: m.qtype for name, m in model.named_modules()
-            if isinstance(m, _QUANTIZABLE) and m.qtype is not None}
+    """``{module name: ggml type id}`` of the layers holding GGUF blocks (a mixture-of-
+    experts block's stacks as ``<block>.w13`` and ``<block>.w2``)."""
+    out = {name: m.qtype for name, m in model.named_modules()
+           if isinstance(m, _QUANTIZABLE) and m.qtype is not None}
+    for name, m in model.named_modules():
+        if getattr(m, "experts_qtypes", None) is not None:
+            out[f"{name}.w13"], out[f"{name}.w2"] = m.experts_qtypes
+    return out
 
 
 def weight_bytes(model: nn.Module) -> int:

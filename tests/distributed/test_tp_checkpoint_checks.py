@@ -172,12 +172,12 @@ def test_moe_size_mismatch_refused_by_every_rank(name, changes, pattern, moe_ckp
 
 def test_gguf_size_mismatch_refused_by_every_rank(tiny_checkpoints, tmp_path):
     """GGUF tensors are read whole, then cut (``take_shard``): the same check there."""
-    from tests.models.test_models_gguf import _write_tiny_gguf
+    from tests.models.tiny_gguf import write_tiny_gguf
 
     hf = copy.deepcopy(tiny_checkpoints["llama3"].hf_model)
     hf.config.intermediate_size = 64  # the metadata's feed_forward_length; tensors: 128
     path = str(tmp_path / "lie.gguf")
-    _write_tiny_gguf(hf, "llama", path)
+    write_tiny_gguf(hf, "llama", path)
     _assert_every_rank_refuses(
         path, 2, r"'model\.layers\.\d+\.mlp\.\w+_proj\.weight': shape \((128, 64|64, 128)\), "
                  r"expected size 64 along dim [01] \(intermediate_size=64 in the config\)")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.models.paged_sim import PagedSim
+from tests.models.tiny_gguf import write_tiny_gguf
 
 
 def test_config_from_gguf_metadata(smollm2_model):
@@ -38,116 +39,6 @@ def test_logits_match_transformers(smollm2_model, smollm2_tokenizer, hf_smollm2)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-# --------------------------------------------------------------- tiny GGUFs from HF models
-_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-}
-
-
-def _expert_tensors(c, i: str, rest: str, t: torch.Tensor,
-                    per_expert: bool) -> list[tuple[str, torch.Tensor]]:
-    """GGUF tensors of a transformers 5 stacked expert tensor (``gate_up_proj [E, 2I, H]``
-    or ``down_proj [E, H, I]``): llama.cpp's ``ffn_*_exps`` stacks, or with ``per_expert``
-    the older Mixtral files' ``ffn_*.{e}`` tensors."""
-    if rest == "mlp.experts.gate_up_proj":
-        inter = t.shape[1] // 2
-        parts = [("gate", t[:, :inter]), ("up", t[:, inter:])]
-    else:
-        parts = [("down", t)]
-    if per_expert:
-        return [(f"blk.{i}.ffn_{p}.{e}.weight", x[e]) for p, x in parts
-                for e in range(x.shape[0])]
-    return [(f"blk.{i}.ffn_{p}_exps.weight", x) for p, x in parts]
-
-
-def _write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False) -> None:
-    """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
-    experts stacked (or one tensor each, ``per_expert``), MoE keys."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    c = hf_model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w = GGUFWriter(path, arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        if getattr(c, "moe_intermediate_size", None):
-            w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        if getattr(c, "shared_expert_intermediate_size", None):
-            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-        if getattr(c, "norm_topk_prob", None) is not None:
-            w.add_expert_weights_norm(c.norm_topk_prob)
-        if getattr(c, "clip_qkv", None):
-            w.add_clamp_kqv(c.clip_qkv)
-    rope = c.rope_parameters
-    if rope.get("rope_type") == "llama3":
-        # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
-        import math
-
-        base, f = rope["rope_theta"], rope["factor"]
-        lo, hi = rope["low_freq_factor"], rope["high_freq_factor"]
-        old = rope["original_max_position_embeddings"]
-        factors = []
-        for k in range(0, head_dim, 2):
-            wavelen = 2 * math.pi * base ** (k / head_dim)
-            if wavelen < old / hi:
-                factors.append(1.0)
-            elif wavelen > old / lo:
-                factors.append(f)
-            else:
-                s = (old / wavelen - lo) / (hi - lo)
-                factors.append(1 / ((1 - s) / f + s))
-        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
-    for name, t in hf_model.state_dict().items():
-        t = t.float()
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            if rest.startswith("mlp.experts."):
-                for gname, x in _expert_tensors(c, i, rest, t, per_expert):
-                    w.add_tensor(gname, np.ascontiguousarray(x.numpy()))
-                continue
-            mod, kind = rest.rsplit(".", 1)
-            if mod == "mlp.shared_expert_gate":
-                t = t.reshape(-1)  # llama.cpp stores it as a vector
-            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
-                h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
-                t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
-                t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
-            gname = f"blk.{i}.{_GGUF_LAYER[mod]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight",
-                     "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-            if gname == "output.weight" and c.tie_word_embeddings:
-                continue
-        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("name,arch", [("llama3", "llama"), ("qwen2", "qwen2"),
                                        ("qwen3", "qwen3")])
 def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
@@ -156,7 +47,7 @@ def test_tiny_gguf_matches_hf(name, arch, tiny_checkpoints, tmp_path):
 
     ck = tiny_checkpoints[name]
     path = str(tmp_path / f"{name}.gguf")
-    _write_tiny_gguf(ck.hf_model, arch, path)
+    write_tiny_gguf(ck.hf_model, arch, path)
     # float32: dtype "auto" gives a GGUF bf16 on a CPU with native bf16.
     model, cfg = load_model(path, dtype="float32", device="cpu")
     assert cfg.tie_word_embeddings == ck.hf_model.config.tie_word_embeddings
@@ -190,7 +81,7 @@ def test_tiny_moe_gguf_matches_hf(name, arch, per_expert, moe_checkpoints, tmp_p
 
     ck = moe_checkpoints[name]
     path = str(tmp_path / f"{name}.gguf")
-    _write_tiny_gguf(ck.hf_model, arch, path, per_expert=per_expert)
+    write_tiny_gguf(ck.hf_model, arch, path, per_expert=per_expert)
     model, cfg = load_model(path, dtype="float32", device="cpu")
     hf = ck.hf_model.config
     want_arch = "MixtralForCausalLM" if arch == "llama" else type(ck.hf_model).__name__
@@ -204,6 +95,58 @@ def test_tiny_moe_gguf_matches_hf(name, arch, per_expert, moe_checkpoints, tmp_p
     torch.testing.assert_close(got, hf_logits(ck.hf_model, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name,arch,per_expert,qtype", [
+    ("qwen3_moe", "qwen3moe", False, "Q8_0"), ("qwen2_moe", "qwen2moe", False, "Q4_1"),
+    ("mixtral", "llama", True, "Q4_0")])
+def test_quantized_experts_stay_blocks(name, arch, per_expert, qtype, moe_checkpoints,
+                                       tmp_path):
+    """Experts stored as blocks (stacked, or one tensor each) stay blocks under
+    ``quantization="auto"`` on the CPU: uint8 stacks, fewer resident bytes, and the
+    logits of the dequantized model. fp32: the same weights, fp32 sums in another order
+    (1e-4). bf16 (2+ rows through the bf16 GEMM): both models round activations to bf16
+    between ops, so they drift apart by a few bf16 steps of the logits' size; 2e-2 of
+    the largest logit bounds that, far below a wrong expert or block."""
+    from deepinfer.loading.loader import load_model
+    from deepinfer.models.moe import SparseMoeBlock
+    from deepinfer.models.quantized import quantized_layers, weight_bytes
+
+    path = str(tmp_path / f"{name}.gguf")
+    write_tiny_gguf(moe_checkpoints[name].hf_model, arch, path, per_expert=per_expert,
+                     expert_type=qtype)
+    tokens = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(9)).tolist()
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):
+        auto, cfg = load_model(path, dtype=dtype, quantization="auto")
+        none, _ = load_model(path, dtype=dtype, quantization="none")
+        blocks = [m for m in auto.modules() if isinstance(m, SparseMoeBlock)]
+        assert blocks and all(b.w13.dtype == b.w2.dtype == torch.uint8 for b in blocks)
+        assert sum(k.endswith((".w13", ".w2")) for k in quantized_layers(auto)) == 2 * len(
+            blocks)
+        assert weight_bytes(auto) < weight_bytes(none)
+        got = PagedSim(cfg).step(auto, {0: tokens, 1: tokens[:5]}, is_prompt=True).float()
+        want = PagedSim(cfg).step(none, {0: tokens, 1: tokens[:5]}, is_prompt=True).float()
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max() <= tol * want.abs().max(), dtype
+
+
+def test_experts_without_expert_kernels_are_planned_dequantized(moe_checkpoints, tmp_path):
+    """Where the device has GGUF kernels but none for experts (CUDA: see
+    ``gguf_kernels.expert_kernel_types``), the experts are left out of the plan and
+    named for the loader's warning; with them, every expert of every layer is planned."""
+    from deepinfer.loading.gguf_file import quantized_plan
+    from deepinfer.loading.gguf_reader import open_gguf
+    from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
+
+    path = str(tmp_path / "mixtral.gguf")
+    write_tiny_gguf(moe_checkpoints["mixtral"].hf_model, "llama", path, expert_type="Q8_0")
+    everything = frozenset(BLOCK_FORMATS)
+    plan, missing = quantized_plan(open_gguf(path), everything)
+    assert not any(".experts." in n for n in plan) and missing == {"Q8_0 experts"}
+    plan, missing = quantized_plan(open_gguf(path), everything, everything)
+    cfg = moe_checkpoints["mixtral"].hf_model.config
+    assert sum(".experts." in n for n in plan) == 3 * 4 * cfg.num_hidden_layers
+    assert not missing
+
+
 def test_moe_gguf_without_expert_counts_is_named(moe_checkpoints, tmp_path):
     """A MoE file lacking ``expert_used_count``: a ValueError naming the key."""
     import gguf
@@ -211,7 +154,7 @@ def test_moe_gguf_without_expert_counts_is_named(moe_checkpoints, tmp_path):
     from deepinfer.loading.loader import load_model
 
     path = str(tmp_path / "q.gguf")
-    _write_tiny_gguf(moe_checkpoints["qwen3_moe"].hf_model, "qwen3moe", path)
+    write_tiny_gguf(moe_checkpoints["qwen3_moe"].hf_model, "qwen3moe", path)
     reader = gguf.GGUFReader(path)
     assert "qwen3moe.expert_used_count" in reader.fields
     # Rename the key in place (same length), as a file written without it would read.

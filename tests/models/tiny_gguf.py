@@ -1,0 +1,125 @@
+"""Tiny GGUF files written from in-memory transformers models, as llama.cpp's converter
+writes them (shared by the GGUF model tests and the tensor-parallel tests)."""
+
+from __future__ import annotations
+
+import torch
+
+GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
+                    per_expert: bool) -> list[tuple[str, torch.Tensor]]:
+    """GGUF tensors of a transformers 5 stacked expert tensor (``gate_up_proj [E, 2I, H]``
+    or ``down_proj [E, H, I]``): llama.cpp's ``ffn_*_exps`` stacks, or with ``per_expert``
+    the older Mixtral files' ``ffn_*.{e}`` tensors."""
+    if rest == "mlp.experts.gate_up_proj":
+        inter = t.shape[1] // 2
+        parts = [("gate", t[:, :inter]), ("up", t[:, inter:])]
+    else:
+        parts = [("down", t)]
+    if per_expert:
+        return [(f"blk.{i}.ffn_{p}.{e}.weight", x[e]) for p, x in parts
+                for e in range(x.shape[0])]
+    return [(f"blk.{i}.ffn_{p}_exps.weight", x) for p, x in parts]
+
+
+def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
+                     expert_type: str | None = None) -> None:
+    """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
+    experts stacked (or one tensor each, ``per_expert``), MoE keys; ``expert_type``: the
+    experts quantized to that block type by ``gguf`` (a 32-weight type)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    def add_expert(gname: str, x: torch.Tensor) -> None:
+        arr = np.ascontiguousarray(x.numpy())
+        if expert_type is None:
+            w.add_tensor(gname, arr)
+            return
+        qtype = GGMLQuantizationType[expert_type]
+        w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if getattr(c, "norm_topk_prob", None) is not None:
+            w.add_expert_weights_norm(c.norm_topk_prob)
+        if getattr(c, "clip_qkv", None):
+            w.add_clamp_kqv(c.clip_qkv)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
+        import math
+
+        base, f = rope["rope_theta"], rope["factor"]
+        lo, hi = rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        factors = []
+        for k in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * base ** (k / head_dim)
+            if wavelen < old / hi:
+                factors.append(1.0)
+            elif wavelen > old / lo:
+                factors.append(f)
+            else:
+                s = (old / wavelen - lo) / (hi - lo)
+                factors.append(1 / ((1 - s) / f + s))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for name, t in hf_model.state_dict().items():
+        t = t.float()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest.startswith("mlp.experts."):
+                for gname, x in expert_tensors(c, i, rest, t, per_expert):
+                    add_expert(gname, x)
+                continue
+            mod, kind = rest.rsplit(".", 1)
+            if mod == "mlp.shared_expert_gate":
+                t = t.reshape(-1)  # llama.cpp stores it as a vector
+            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+                h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
+                t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
+                t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
+            gname = f"blk.{i}.{GGUF_LAYER[mod]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+            if gname == "output.weight" and c.tie_word_embeddings:
+                continue
+        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
