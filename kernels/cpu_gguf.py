@@ -6,11 +6,11 @@ Paths, picked by the activations' dtype and the number of rows M (measured with
 
 - M < ``LARGE_M`` (single-stream decode): the C kernel reads the weights as stored (4-8
   bits a weight) and decodes each row into fp32 once for all M rows; a step's cost is
-  the bytes of the file, not of a dequantized copy. For 16-bit activations, Q4_0, Q4_1
-  and Q8_0 take ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI
-  (``int8_types()``): x is quantized per block of 32 to int8 and multiplied with the
-  weight codes by integer dot products, as llama.cpp does, ~4x fewer instructions a
-  weight than decoding to fp32. Its error, at most half a step of 1/127 of a block's
+  the bytes of the file, not of a dequantized copy. For 16-bit activations, every type
+  takes ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI (``int8_types()``): x is
+  quantized per block of 32 to int8 and multiplied with the weight codes by integer dot
+  products, as llama.cpp does, ~4x fewer instructions a weight than decoding to fp32
+  (a K-quant as sub-blocks of 32, Q6_K with a scale per half). Its error, at most half a step of 1/127 of a block's
   largest |x| per element, stays inside the 2e-2 that 16-bit activations are held to;
   fp32 activations always take the exact path.
 - bf16 activations from 2 rows (from ``LARGE_M`` for the int8 types), where the CPU has

@@ -122,7 +122,7 @@ def test_empty_batch_and_every_type_listed():
 
 @pytest.mark.skipif(not cpu_gguf.int8_types(), reason="this CPU has no VNNI int8 path")
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", NAMES)
 def test_16_bit_activations_take_the_int8_path_within_its_bound(name: str, m: int):
     """bf16 x below LARGE_M rows, on a CPU with VNNI: x is quantized to int8 per block of
     32. Its error is at most half a step (max|x_b| / 254) per element, so each output

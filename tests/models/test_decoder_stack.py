@@ -70,9 +70,10 @@ def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
-    """A tiny model of K-quant blocks (no int8 path: 2-3 bf16 rows take the bf16 GEMM
-    where the CPU has it, one row the exact kernel), bf16, 3 sequences: the fused step
-    and the per-layer path pick the same kernel per product, so the same bits."""
+    """A tiny model of K-quant blocks (their sub-blocks through the int8 kernel where the
+    CPU has VNNI, else the exact one or, for 2-3 rows, the bf16 GEMM), bf16, 3 sequences:
+    the fused step and the per-layer path pick the same kernel per product, so the same
+    bits."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
     model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
     assert model.decoder_stack.get(model, cpu_backend) is not None
