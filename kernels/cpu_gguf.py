@@ -10,9 +10,9 @@ Paths, picked by the activations' dtype and the number of rows M (measured with
   takes ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI (``int8_types()``): x is
   quantized per block of 32 to int8 and multiplied with the weight codes by integer dot
   products, as llama.cpp does, ~4x fewer instructions a weight than decoding to fp32
-  (a K-quant as sub-blocks of 32, Q6_K with a scale per half). Its error, at most half a step of 1/127 of a block's
-  largest |x| per element, stays inside the 2e-2 that 16-bit activations are held to;
-  fp32 activations always take the exact path.
+  (a K-quant as sub-blocks of 32, Q6_K with a scale per half). Its error, at most half
+  a step of 1/127 of a block's largest |x| per element, stays inside the 2e-2 that
+  16-bit activations are held to; fp32 activations always take the exact path.
 - bf16 activations from 2 rows (from ``LARGE_M`` for the int8 types), where the CPU has
   AVX512-BF16 (``bf16_gemm()``): ``kernels/csrc/gguf_gemm_bf16_cpu.c`` decodes 32
   weight rows at a time into a bf16 panel that stays in cache and multiplies every x
