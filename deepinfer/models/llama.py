@@ -42,7 +42,7 @@ from deepinfer.models.parallel_layers import (
     VocabParallelEmbedding,
     row_parallel_linear,
 )
-from deepinfer.models.quantized import keep_quantized
+from deepinfer.models.quantized import keep_quantized, keep_quantized_parts, part_blocks
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
 
 
@@ -242,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
         page read from it resident) for the model's life."""
         self.decoder_stack.reset()
         params = dict(self.named_parameters())
+        mixed = {f"{n}.weight": m for n, m in self.named_modules()
+                 if isinstance(m, Linear) and m.block_parts is not None}
         loaded: set[str] = set()
         stored_head = None
         for name, tensor in weights:
@@ -263,7 +265,10 @@ class LlamaForCausalLM(nn.Module):
                                  f"{self.config.architecture}")
             # A fused part has the config's rows: a tensor with more (or fewer) is an
             # error, not a neighbour's rows overwritten (or left empty).
-            dst = param.data if offset is None else param.data.narrow(0, offset, rows)
+            if target in mixed:  # blocks of its own type in a flat weight
+                dst = part_blocks(mixed[target], offset)
+            else:
+                dst = param.data if offset is None else param.data.narrow(0, offset, rows)
             if dst.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
@@ -324,12 +329,16 @@ class LlamaForCausalLM(nn.Module):
                 keep |= modules[block].keep_quantized(parts)
         for target, parts in groups.items():
             fused = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
-            if len({q for _, q in parts}) != 1 or len(parts) != fused:
+            if len(parts) != fused:
                 continue
             module = modules.get(target.rsplit(".", 1)[0])
             if module is None or not target.endswith(".weight"):
                 continue
-            keep_quantized(module, parts[0][1], parts[0][0])
+            if len({q for _, q in parts}) == 1:
+                keep_quantized(module, parts[0][1], parts[0][0])
+            else:  # a fused layer of mixed types: each part its own blocks
+                keep_quantized_parts(module, [
+                    (*self._fused_target(canonical_moe_name(n))[1:], q, n) for n, q in parts])
             keep.update(name for name, _ in parts)
         return keep
 
@@ -362,11 +371,13 @@ class LlamaForCausalLM(nn.Module):
         keys = set()
         a = self.model.layers[0].self_attn if len(self.model.layers) else None
         cfg = self.config
-        for name, param in self.named_parameters():
+        modules = dict(self.named_modules())
+        for name, _ in self.named_parameters():
             if ".qkv_proj." in name and a is not None:
                 keys |= {f"{name}#0", f"{name}#{a.q_size}", f"{name}#{a.q_size + a.kv_size}"}
             elif ".gate_up_proj." in name:
-                keys |= {f"{name}#0", f"{name}#{param.shape[0] // 2}"}
+                up = modules[name.rsplit(".", 1)[0]].out_features // 2  # a flat weight too
+                keys |= {f"{name}#0", f"{name}#{up}"}
             elif name.endswith((".mlp.w13", ".mlp.w2")):
                 keys.update(expert_weight_keys(
                     name, cfg.num_experts, local_sizes(cfg, self.tp).moe_intermediate_size))

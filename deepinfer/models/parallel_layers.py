@@ -31,6 +31,9 @@ class Linear(nn.Linear):
 
     #: ggml type id when ``weight`` holds GGUF blocks, else None.
     qtype: int | None = None
+    #: A fused layer's parts when they are blocks of different types (``weight`` is then
+    #: flat uint8; ``deepinfer.models.quantized.BlockPart``), else None.
+    block_parts: list | None = None
     gguf_matmul: MatmulFn | None = None
 
     def reset_parameters(self) -> None:

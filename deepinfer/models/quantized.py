@@ -11,10 +11,12 @@ per-call kernel of its device (checked once: the plan/run split).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from deepinfer.models.parallel_layers import Embedding, Linear
+from deepinfer.models.parallel_layers import Embedding, Linear, MatmulFn
 from deepinfer_kernels import gguf_kernels
 from deepinfer_kernels.gguf_blocks import block_format
 
@@ -49,6 +51,64 @@ def keep_quantized(module: nn.Module, qtype: int, name: str) -> None:
     module.qtype = int(qtype)
 
 
+@dataclass(frozen=True)
+class BlockPart:
+    """One part of a fused Linear (q, k or v; gate or up) whose parts differ in block
+    type: its rows ``row_offset .. + rows`` of the output, held as ``rows`` block rows of
+    ``row_bytes`` at ``byte_offset`` of the layer's flat uint8 weight."""
+
+    row_offset: int
+    rows: int
+    byte_offset: int
+    row_bytes: int
+    qtype: int
+
+
+def keep_quantized_parts(module: nn.Module, parts: list[tuple[int, int, int, str]]) -> None:
+    """Make fused Linear ``module`` (weight unmaterialised, ``[out, K]``) hold its parts
+    as blocks of different types (llama.cpp's mixed presets store ``attn_v`` or
+    ``ffn_down`` a type above the rest): ``weight`` becomes flat uint8, the parts one
+    after the other, and ``block_parts`` their :class:`BlockPart` layout. ``parts``:
+    ``(row offset, rows, ggml type id, checkpoint name)`` covering every output row.
+    ``ValueError`` naming the tensor as :func:`block_parameter`."""
+    if not isinstance(module, Linear):
+        raise TypeError(f"{parts[0][3]}: a {type(module).__name__} cannot hold GGUF parts")
+    out, k = module.weight.shape
+    layout, at, row = [], 0, 0
+    for offset, rows, qtype, name in sorted(parts):
+        if offset != row:
+            raise ValueError(f"checkpoint tensor {name!r}: rows {offset}..{offset + rows} "
+                             f"of a fused weight leave rows {row}..{offset} without a part")
+        row_bytes = block_parameter(module.weight[:1], qtype, name).shape[-1]
+        layout.append(BlockPart(offset, rows, at, row_bytes, int(qtype)))
+        at, row = at + rows * row_bytes, offset + rows
+    if row != out:
+        raise ValueError(f"checkpoint tensor {parts[-1][3]!r}: the parts cover {row} of "
+                         f"{out} rows of the fused weight")
+    module.weight = nn.Parameter(torch.empty(at, dtype=torch.uint8,
+                                             device=module.weight.device), requires_grad=False)
+    module.block_parts = layout
+
+
+def part_blocks(module: nn.Module, row_offset: int) -> torch.Tensor:
+    """The uint8 ``[rows, row_bytes]`` view of the part of ``module.block_parts`` that
+    starts at output row ``row_offset`` (where the loader writes it); ``KeyError`` when
+    none does."""
+    for p in module.block_parts:
+        if p.row_offset == row_offset:
+            return module.weight.data[p.byte_offset:p.byte_offset + p.rows * p.row_bytes
+                                      ].view(p.rows, p.row_bytes)
+    raise KeyError(row_offset)
+
+
+def _bind_parts(module: nn.Module) -> MatmulFn:
+    """One product per part, concatenated along the output (a copy of the activations
+    only: the weights stay where they are)."""
+    fns = [gguf_kernels.bind_gguf_matmul(part_blocks(module, p.row_offset), p.qtype)
+           for p in module.block_parts]
+    return lambda x: torch.cat([f(x) for f in fns], dim=1)
+
+
 def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every layer holding GGUF blocks its kernels (after its weight is loaded):
     ``gguf_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
@@ -56,6 +116,9 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         if getattr(module, "experts_qtypes", None) is not None:  # a SparseMoeBlock's experts
             module.bind_expert_kernels()
+        if isinstance(module, Linear) and module.block_parts is not None:
+            module.gguf_matmul = _bind_parts(module)
+            continue
         if not isinstance(module, _QUANTIZABLE) or module.qtype is None:
             continue
         module.gguf_matmul = gguf_kernels.bind_gguf_matmul(module.weight, module.qtype)
@@ -66,12 +129,15 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
 
 def quantized_layers(model: nn.Module) -> dict[str, int]:
     """``{module name: ggml type id}`` of the layers holding GGUF blocks (a mixture-of-
-    experts block's stacks as ``<block>.w13`` and ``<block>.w2``)."""
+    experts block's stacks as ``<block>.w13`` and ``<block>.w2``; the parts of a fused
+    layer of mixed types as ``<layer>#<first row>``)."""
     out = {name: m.qtype for name, m in model.named_modules()
            if isinstance(m, _QUANTIZABLE) and m.qtype is not None}
     for name, m in model.named_modules():
         if getattr(m, "experts_qtypes", None) is not None:
             out[f"{name}.w13"], out[f"{name}.w2"] = m.experts_qtypes
+        if isinstance(m, Linear) and m.block_parts is not None:
+            out.update({f"{name}#{p.row_offset}": p.qtype for p in m.block_parts})
     return out
 
 

@@ -1,7 +1,7 @@
 """Tensor parallelism over weights kept as GGUF blocks: real gloo ranks on the CPU, each
 loading only its part of every block matrix (rows for q/k/v, gate/up and the vocabulary,
-whole blocks of columns for o_proj and down_proj); the leader's logits must equal a
-one-rank run of the same file."""
+whole blocks of columns for o_proj and down_proj; fused layers whose parts differ in type
+and experts too); the leader's logits must equal a one-rank run of the same file."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def _rank(info: RankInfo, paths: list[str], out_file: str) -> int:
         result = []
         for path in paths:
             model, cfg = load_model(path, dtype="float32", device="cpu", tp=tp)
-            assert len(quantized_layers(model)) == 1 + 4 * cfg.num_layers + (
-                model.lm_head is not None)
+            layers = {name.split("#")[0] for name in quantized_layers(model)}  # parts: one
+            assert len(layers) == 1 + 4 * cfg.num_layers + (model.lm_head is not None)
             result.append(_logits(model, cfg, tp))
         if tp.leader:
             torch.save(result, out_file)
@@ -65,7 +65,9 @@ def _rank(info: RankInfo, paths: list[str], out_file: str) -> int:
 def test_two_ranks_over_block_matrices_match_one_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     paths = [write_quantized_gguf(str(tmp_path / "q8_tied.gguf"), "Q8_0"),
-             write_quantized_gguf(str(tmp_path / "q41_untied.gguf"), "Q4_1", tied=False)]
+             write_quantized_gguf(str(tmp_path / "q41_untied.gguf"), "Q4_1", tied=False),
+             write_quantized_gguf(str(tmp_path / "mixed.gguf"), "Q4_0",
+                                  types={"attn_v": "Q8_0", "ffn_up": "Q6_K"})]
     out_file = str(tmp_path / "rank0.pt")
     assert spawn_ranks(_rank, 2, (paths, out_file)) == len(paths)
     got = torch.load(out_file)
