@@ -3,8 +3,9 @@
 Both engines run the same Hugging Face folder (by default the embedded SmolLM2-135M GGUF,
 dequantized by transformers and saved as safetensors, cached under
 ``$DEEPINFER_CACHE_DIR/peers``) on the same seeded workload (``throughput_workload.py``:
-random prompt ids and budgets of 16-128 tokens, greedy, ``ignore_eos``), one engine after
-the other::
+random prompt ids and budgets of 16-128 tokens, greedy, ``ignore_eos``; each request
+count draws its own prompts, so no run is helped by the previous run's prompts in the
+prefix cache), one engine after the other::
 
     VLLM_PYTHON=/path/to/vllm-venv/bin/python python benchmarks/bench_peers.py --save
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 from results_meta import git_commit, table_lines, utc_now
-from throughput_workload import make_workload
+from throughput_workload import make_workload, run_workload
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,7 +86,7 @@ def run_deepinfer(model_dir: str, requests: list[int], args: argparse.Namespace)
     runs = {}
     stats = llm.engine.stats
     for n in requests:
-        wl = make_workload(n, args.min_len, args.max_len, vocab, args.seed)
+        wl = run_workload(n, args.min_len, args.max_len, vocab, args.seed)
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                   for m in wl.max_tokens]
         p0, d0 = stats.prompt_time, stats.decode_time

@@ -112,27 +112,57 @@ def load_nanovllm(src: str) -> NanoLoop:
                     cfg_mod.Config, runner_cls, notes)
 
 
+def nano_running(nano: NanoLoop, model_dir: str, prompts: list[list[int]], max_len: int,
+                 block: int = 256):
+    """nano-vllm's scheduler with ``prompts`` admitted and prefilled (untimed), all of
+    them decoding. ``block``: its KV block size (a multiple of 256 there; 256 is its
+    default)."""
+    # Config.__post_init__ reads config.json (AutoConfig): the tiny model's folder works.
+    cfg = nano.Config(model=model_dir, max_num_seqs=len(prompts), max_model_len=max_len,
+                      kvcache_block_size=block,
+                      num_kvcache_blocks=len(prompts) * -(-max_len // block) + 1)
+    sched = nano.Scheduler(cfg)
+    sp = nano.SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
+    for p in prompts:
+        sched.add(nano.Sequence(p, sp))
+    toks = [5] * len(prompts)
+    while sched.waiting:
+        seqs, is_prefill = sched.schedule()
+        sched.postprocess(seqs, toks[:len(seqs)], is_prefill)
+    assert len(sched.running) == len(prompts)
+    return sched
+
+
+def time_nano_scheduler(nano: NanoLoop, model_dir: str, prompts: list[list[int]],
+                        steps: int, warmup: int = 5) -> float:
+    """Seconds per decode step of nano-vllm's ``schedule()`` + ``postprocess()`` alone (its
+    scheduler side, what ``bench_scheduler.py`` times of ours), all ``prompts`` decoding."""
+    sched = nano_running(nano, model_dir, prompts, max(map(len, prompts)) + steps + 64)
+    toks = [5] * len(prompts)
+
+    def step() -> None:
+        seqs, is_prefill = sched.schedule()
+        sched.postprocess(seqs, toks, is_prefill)
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
 def time_nano(nano: NanoLoop, model_dir: str, num_seqs: int, steps: int, vocab: int,
               seed: int, between: Callable[[], None] | None = None) -> float:
     """Seconds per decode step of nano-vllm's host loop with ``num_seqs`` sequences.
     ``between``: run (untimed) before each timed step, e.g. a forward, so that the loop
     meets caches in the state a real run leaves them."""
-    block = 256  # nano-vllm's default kvcache_block_size (must be a multiple of 256)
-    max_len = PROMPT_LEN + steps + 16
-    # Config.__post_init__ reads config.json (AutoConfig): the tiny model's folder works.
-    cfg = nano.Config(model=model_dir, max_num_seqs=num_seqs, max_model_len=max_len,
-                      kvcache_block_size=block,
-                      num_kvcache_blocks=num_seqs * -(-max_len // block) + 1)
-    sched = nano.Scheduler(cfg)
+    block = 256
+    sched = nano_running(nano, model_dir, random_prompts(num_seqs, vocab, seed),
+                         PROMPT_LEN + steps + 16, block)
     runner = nano.runner_cls()
     runner.block_size = block
-    sp = nano.SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True)
-    for p in random_prompts(num_seqs, vocab, seed):
-        sched.add(nano.Sequence(p, sp))
     toks = [5] * num_seqs
-    while sched.waiting:  # prefill (untimed)
-        seqs, is_prefill = sched.schedule()
-        sched.postprocess(seqs, toks[:len(seqs)], is_prefill)
 
     def step() -> None:
         seqs, is_prefill = sched.schedule()

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from throughput_workload import make_workload
+    from throughput_workload import make_workload, run_workload
     from vllm import LLM, __version__
 
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     startup = time.perf_counter() - t0
     runs = {}
     for n in (int(v) for v in args.requests.split(",")):
-        wl = make_workload(n, args.min_len, args.max_len, vocab, args.seed)
+        wl = run_workload(n, args.min_len, args.max_len, vocab, args.seed)
         seconds, tokens, _ = _generate(llm, wl)
         runs[str(n)] = {"seconds": seconds, "tokens": tokens}
     del llm

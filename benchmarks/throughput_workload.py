@@ -24,3 +24,11 @@ def make_workload(num_requests: int, min_len: int, max_len: int, vocab: int,
                for _ in range(num_requests)]
     outs = [rng.randint(min_len, max_len) for _ in range(num_requests)]
     return Workload(prompts, outs)
+
+
+def run_workload(num_requests: int, min_len: int, max_len: int, vocab: int,
+                 seed: int) -> Workload:
+    """The workload of one run of a series over request counts: drawn from ``seed +
+    num_requests``, so that a run never finds an earlier run's prompts in the prefix
+    cache (with one seed, the first prompts of every run would be the same)."""
+    return make_workload(num_requests, min_len, max_len, vocab, seed + num_requests)

@@ -21,8 +21,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels import cpu_native
+from deepinfer_kernels.cpu_dense import dense_gemm_usable
 from deepinfer_kernels.cpu_gguf import LARGE_M, kernel_types
-from deepinfer_kernels.decoder_spec import BlockWeight, DecoderStackFn, DecoderStackSpec
+from deepinfer_kernels.decoder_spec import (
+    BF16_TYPE,
+    BlockWeight,
+    DecoderStackFn,
+    DecoderStackSpec,
+)
 from deepinfer_kernels.validation import check_gguf_blocks
 
 __all__ = ["bind_decoder_stack"]
@@ -36,8 +42,22 @@ def _vector_ok(w: torch.Tensor | None, size: int, dtype: torch.dtype) -> bool:
             and w.shape[0] == size and w.is_contiguous())
 
 
+def _dense_fields(w: BlockWeight, n: int, k: int) -> list[int] | None:
+    """``[pointer, row stride in elements, BF16_TYPE]`` of a dense bf16 weight viewed as
+    uint8 ``[n, 2k]``."""
+    b = w.blocks
+    if (b.dtype != torch.uint8 or not b.is_cpu or b.dim() != 2 or tuple(b.shape) != (n, 2 * k)
+            or b.stride(1) != 1 or b.stride(0) % 2
+            or not dense_gemm_usable(b.view(torch.bfloat16))):
+        return None
+    return [b.data_ptr(), b.stride(0) // 2, BF16_TYPE]
+
+
 def _weight_fields(w: BlockWeight, n: int, k: int, types: frozenset[int]) -> list[int] | None:
-    """``[pointer, row stride, type]`` of a ``[n, k]`` weight the C kernels take."""
+    """``[pointer, row stride, type]`` of a ``[n, k]`` weight the C kernels take (the
+    stride in bytes for blocks, in elements for a dense bf16 weight)."""
+    if w.qtype == BF16_TYPE:
+        return _dense_fields(w, n, k)
     if w.qtype not in types or w.blocks.dtype != torch.uint8 or not w.blocks.is_cpu:
         return None
     try:
@@ -83,6 +103,8 @@ def _describe(spec: DecoderStackSpec) -> tuple[torch.Tensor, torch.Tensor] | Non
                    _weight_fields(layer.down, h, inter, types)]
         if any(w is None for w in weights):
             return None
+        if dtype != torch.bfloat16 and any(w[2] == BF16_TYPE for w in weights):
+            return None  # the dense kernel takes bf16 activations only
         norms = [0 if w is None else w.data_ptr() for w in per_head]
         rows.append([layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
                      *norms, *(f for w in weights for f in w)])

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "gguf_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I32, _PTR, _I64, _I32,
                            _I32],
     "gguf_gemm_bf16_available": [],
+    "dense_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I32, _I32],
     "gguf_dequantize_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _I32],
     "rms_norm_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32,
                      _I32, _I32],

@@ -6,7 +6,8 @@ stack for them (the model then runs layer by layer through the per-op kernels).
 
 Only the plain pre-norm Llama layer is described: fused q/k/v without bias, optional
 per-head q/k RMSNorm (Qwen3), RoPE, paged attention, gated MLP, all four projections
-kept as GGUF blocks. Other layers (biases, MoE, tensor parallelism) have no spec.
+kept as GGUF blocks or, with bf16 activations, as dense bf16 weights. Other layers
+(biases, MoE, tensor parallelism) have no spec.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockWeight", "DecoderLayerWeights", "DecoderStackFn", "DecoderStackSpec",
+__all__ = ["BF16_TYPE", "BlockWeight", "DecoderLayerWeights", "DecoderStackFn", "DecoderStackSpec",
            "bind_decoder_stack"]
+
+
+#: ggml's BF16 type id: a ``BlockWeight`` of this type is a plain bfloat16 weight
+#: ``[out, in]`` viewed as uint8 ``[out, 2 * in]`` (a "block" of one weight).
+BF16_TYPE = 30
 
 
 @dataclass(frozen=True)
 class BlockWeight:
     """A projection's weight kept as GGUF blocks: uint8 ``[out, row_bytes]`` and the ggml
-    type id."""
+    type id (``BF16_TYPE``: a dense bfloat16 weight, viewed as bytes)."""
 
     blocks: torch.Tensor
     qtype: int

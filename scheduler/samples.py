@@ -111,7 +111,8 @@ class SampleApplier:
         done = np.flatnonzero(newlen >= states.max_len[slots])
         union = self._registry.stop_ids()
         if union.size:
-            cand = np.flatnonzero(np.isin(toks, union))
+            # One stop id (the usual EOS): a comparison, a fraction of isin's sort.
+            cand = np.flatnonzero(toks == union[0] if union.size == 1 else np.isin(toks, union))
             if cand.size:
                 done = np.union1d(done, cand)
         for i in done.tolist():

@@ -28,6 +28,7 @@ from deepinfer.loading.safetensors_files import (
     safetensors_files,
 )
 from deepinfer.models import get_model_class
+from deepinfer.models.dense_kernels import bind_dense_kernels
 from deepinfer.models.quantized import bind_quantized_kernels
 from deepinfer.models.tensor_parallel import (
     SINGLE,
@@ -207,6 +208,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
                          f"{', '.join(model.checkpoint_name(m) for m in missing[:3])}")
     bind_quantized_kernels(model, model_dtype)
+    bind_dense_kernels(model)
     return model.eval(), cfg
 
 

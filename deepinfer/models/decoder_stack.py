@@ -2,9 +2,9 @@
 (``ModelBackend.bind_decoder_stack``), and the binding kept per backend.
 
 Only layers that are the plain pre-norm Llama block are described: q/k/v without bias or
-clipping, no full-width q/k norm, a dense gated MLP, every projection kept as GGUF blocks,
-one RMSNorm epsilon, no tensor parallelism. For any other model the spec is None and the
-decoder runs layer by layer.
+clipping, no full-width q/k norm, a dense gated MLP, every projection kept as GGUF blocks
+or bound to the CPU's dense bf16 kernel, one RMSNorm epsilon, no tensor parallelism. For
+any other model the spec is None and the decoder runs layer by layer.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from deepinfer.models.backend import ModelBackend
+from deepinfer.models.dense_kernels import dense_bf16_weight
 from deepinfer.models.layers import GatedMLP
 from deepinfer.models.parallel_layers import Linear
 from deepinfer_kernels.decoder_spec import (
+    BF16_TYPE,
     BlockWeight,
     DecoderLayerWeights,
     DecoderStackFn,
@@ -26,9 +28,12 @@ __all__ = ["DecoderStackBinding", "decoder_stack_spec"]
 
 
 def _blocks(layer: nn.Module) -> BlockWeight | None:
-    if not isinstance(layer, Linear) or layer.qtype is None or layer.bias is not None:
+    if not isinstance(layer, Linear) or layer.bias is not None:
         return None
-    return BlockWeight(layer.weight.detach(), layer.qtype)
+    if layer.qtype is not None:
+        return BlockWeight(layer.weight.detach(), layer.qtype)
+    dense = dense_bf16_weight(layer)
+    return None if dense is None else BlockWeight(dense.view(torch.uint8), BF16_TYPE)
 
 
 def _layer_weights(block: nn.Module, eps: float) -> DecoderLayerWeights | None:

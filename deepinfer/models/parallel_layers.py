@@ -6,7 +6,8 @@ both are the plain layers, with no collective.
 
 Either layer's weight may be kept as GGUF blocks (:mod:`deepinfer.models.quantized`):
 ``weight`` is then uint8 ``[out, row_bytes]`` and ``qtype`` its ggml type id, and the
-products go through the kernel bound to it (``gguf_matmul``, ``gguf_rows``)."""
+products go through the kernel bound to it (``bound_matmul``, ``gguf_rows``). A dense
+bfloat16 weight on the CPU gets a ``bound_matmul`` too (:mod:`deepinfer.models.dense_kernels`)."""
 
 from __future__ import annotations
 
@@ -34,22 +35,22 @@ class Linear(nn.Linear):
     #: A fused layer's parts when they are blocks of different types (``weight`` is then
     #: flat uint8; ``deepinfer.models.quantized.BlockPart``), else None.
     block_parts: list | None = None
-    gguf_matmul: MatmulFn | None = None
+    bound_matmul: MatmulFn | None = None
 
     def reset_parameters(self) -> None:
         pass
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in]`` -> ``x @ W.T`` ``[M, out]`` in x's dtype, without the bias."""
-        if self.gguf_matmul is None:
+        if self.bound_matmul is None:
             return F.linear(x, self.weight)
-        return self.gguf_matmul(x)
+        return self.bound_matmul(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in]`` -> ``[M, out]``."""
-        if self.gguf_matmul is None:
+        if self.bound_matmul is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.gguf_matmul(x)
+        y = self.bound_matmul(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -57,7 +58,7 @@ class Embedding(nn.Embedding):
     """``nn.Embedding`` without random init (see ``Linear``)."""
 
     qtype: int | None = None
-    gguf_matmul: MatmulFn | None = None
+    bound_matmul: MatmulFn | None = None
     gguf_rows: RowsFn | None = None
 
     def reset_parameters(self) -> None:
@@ -77,9 +78,9 @@ class Embedding(nn.Embedding):
     def attend(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output projection: hidden ``[N, hidden]`` -> ``[N, vocab]`` scores
         (``hidden @ weight.T``) in hidden's dtype."""
-        if self.gguf_matmul is None:
+        if self.bound_matmul is None:
             return F.linear(hidden, self.weight)
-        return self.gguf_matmul(hidden)
+        return self.bound_matmul(hidden)
 
 
 class RowParallelLinear(Linear):

@@ -111,17 +111,17 @@ def _bind_parts(module: nn.Module) -> MatmulFn:
 
 def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every layer holding GGUF blocks its kernels (after its weight is loaded):
-    ``gguf_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
+    ``bound_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
     gathered rows to ``dtype`` (the model's activations)."""
     for module in model.modules():
         if getattr(module, "experts_qtypes", None) is not None:  # a SparseMoeBlock's experts
             module.bind_expert_kernels()
         if isinstance(module, Linear) and module.block_parts is not None:
-            module.gguf_matmul = _bind_parts(module)
+            module.bound_matmul = _bind_parts(module)
             continue
         if not isinstance(module, _QUANTIZABLE) or module.qtype is None:
             continue
-        module.gguf_matmul = gguf_kernels.bind_gguf_matmul(module.weight, module.qtype)
+        module.bound_matmul = gguf_kernels.bind_gguf_matmul(module.weight, module.qtype)
         if isinstance(module, Embedding):
             module.gguf_rows = gguf_kernels.bind_dequantize(module.qtype, dtype,
                                                             module.weight.device)

@@ -37,6 +37,9 @@ int64_t gguf_gemm_bf16_available(void);
 int64_t gguf_gemm_bf16_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
                            int64_t n, int64_t ldw, int32_t qtype, void *out, int64_t ldo,
                            int32_t out_bf16, int32_t threads);
+int64_t dense_gemm_bf16_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, const void *w,
+                            int64_t n, int64_t ldw, void *out, int64_t ldo, int32_t out_bf16,
+                            int32_t threads);
 int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_rin,
                      void *res_out, int64_t ld_rout, const void *w, void *out, int64_t ldo,
                      int64_t t, int64_t h, float eps, int32_t bf16, int32_t threads);
@@ -63,6 +66,8 @@ enum { L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_QKV, L_QKV_LD, L_QKV_TYPE, 
        L_O_LD, L_O_TYPE, L_GATE_UP, L_GATE_UP_LD, L_GATE_UP_TYPE, L_DOWN, L_DOWN_LD,
        L_DOWN_TYPE, LAYER_FIELDS };
 #define NO_MEMORY 3
+#define BAD_TYPE 1
+#define BF16_TYPE 30 /* ggml's BF16: a dense bf16 weight, row stride in elements */
 
 int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
@@ -70,12 +75,16 @@ int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
 /* x [m, k] @ W.T -> out [m, n] (m < LARGE_M), the kernel the per-layer path picks
  * (cpu_gguf.py:_uses_gemm): int8 activations for bf16 x where this CPU and type have
- * them, the bf16 GEMM for 2 or more bf16 rows of the other types, else the exact one. */
+ * them, the bf16 GEMM for 2 or more bf16 rows of the other types, else the exact one;
+ * a dense bf16 weight always takes the dense GEMM (cpu_dense.py, below DENSE_MAX_M). */
 static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, int64_t n,
                        void *out, int bf16, int64_t int8_mask, int threads) {
     const uint8_t *blocks = P(w[0]);
     int64_t ldw = w[1];
     int32_t qtype = (int32_t)w[2];
+    if (qtype == BF16_TYPE)
+        return bf16 ? dense_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, out, n, 1, threads)
+                    : BAD_TYPE;
     if (bf16 && ((int8_mask >> qtype) & 1))
         return gguf_matmul_int8_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, n, bf16,
                                     threads);

@@ -1,6 +1,6 @@
 /* GGUF block weights times bfloat16 activations, for M >= 4 rows (batched decode,
- * prefill), on CPUs with AVX512-BF16. Built with the other C kernels by
- * kernels/cpu_native.py.
+ * prefill), on CPUs with AVX512-BF16; and plain bf16 weights (dense_gemm_bf16_cpu) for
+ * any M, read where they lie. Built with the other C kernels by kernels/cpu_native.py.
  *
  * Why: the large-M path used to decode a whole weight into a bf16 tile and hand it to
  * torch's BLAS. That decode is as long as the GEMM itself at a few rows, and the tile of a
@@ -47,6 +47,9 @@ int64_t gguf_gemm_bf16_available(void) {
 #define PANEL 32 /* weight rows a thread decodes at a time: 32 x K bf16 stays in L1/L2 */
 #define WR 4     /* weight rows per micro-kernel call */
 #define XR 6     /* x rows per micro-kernel call: 6 x 4 accumulators + 4 weights + 1 x */
+#ifndef PF
+#define PF 8
+#endif
 
 /* The lane sums of four accumulators: [sum a0, sum a1, sum a2, sum a3]. */
 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -58,19 +61,21 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* R x rows (ldx apart) against WR decoded weight rows (k apart): res[r] holds the WR
- * dot products of x row r. Written out per R so the accumulators live in registers. */
+/* R x rows (ldx apart) against WR weight rows (ldw apart): res[r] holds the WR dot
+ * products of x row r. Written out per R so the accumulators live in registers. */
 #define MICRO_KERNEL(R)                                                                   \
-    static void micro_##R(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,   \
-                          __m128 *res) {                                                  \
+    static void micro_##R(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, \
+                          int64_t k, __m128 *res) {                                       \
         __m512 acc[R][WR];                                                                \
         for (int r = 0; r < R; r++)                                                       \
             for (int c = 0; c < WR; c++) acc[r][c] = _mm512_setzero_ps();                 \
         for (int64_t i = 0; i < k; i += 32) {                                             \
-            __m512bh w0 = (__m512bh)_mm512_load_si512(w + i);                             \
-            __m512bh w1 = (__m512bh)_mm512_load_si512(w + k + i);                         \
-            __m512bh w2 = (__m512bh)_mm512_load_si512(w + 2 * k + i);                     \
-            __m512bh w3 = (__m512bh)_mm512_load_si512(w + 3 * k + i);                     \
+            for (int c = 0; c < WR; c++)                                                  \
+                _mm_prefetch((const char *)(w + (PF + c) * ldw + i), _MM_HINT_T0);        \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);                            \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + ldw + i);                      \
+            __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2 * ldw + i);                  \
+            __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 3 * ldw + i);                  \
             for (int r = 0; r < R; r++) {                                                 \
                 __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + i);              \
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);                          \
@@ -118,24 +123,24 @@ static inline void store(void *out, int64_t at, __m128 v, int64_t cols, int out_
     }
 }
 
-/* Every x row against one decoded panel of `rows` weight rows (padded with zero rows to
- * a multiple of WR), written to out columns j0... */
+/* Every x row against one panel of `rows` bf16 weight rows `ldp` elements apart (padded
+ * with zero rows to a multiple of WR), written to out columns j0... */
 static void panel_times_x(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
-                          const uint16_t *panel, int64_t rows, int64_t j0, void *out,
-                          int64_t ldo, int out_bf16) {
+                          const uint16_t *panel, int64_t ldp, int64_t rows, int64_t j0,
+                          void *out, int64_t ldo, int out_bf16) {
     for (int64_t r = 0; r < m; r += XR) {
         int64_t cnt = m - r < XR ? m - r : XR;
         const uint16_t *xr = x + r * ldx;
         for (int64_t c = 0; c < rows; c += WR) {
             __m128 res[XR];
-            const uint16_t *wc = panel + c * k;
+            const uint16_t *wc = panel + c * ldp;
             switch (cnt) {
-            case 6: micro_6(xr, ldx, wc, k, res); break;
-            case 5: micro_5(xr, ldx, wc, k, res); break;
-            case 4: micro_4(xr, ldx, wc, k, res); break;
-            case 3: micro_3(xr, ldx, wc, k, res); break;
-            case 2: micro_2(xr, ldx, wc, k, res); break;
-            default: micro_1(xr, ldx, wc, k, res); break;
+            case 6: micro_6(xr, ldx, wc, ldp, k, res); break;
+            case 5: micro_5(xr, ldx, wc, ldp, k, res); break;
+            case 4: micro_4(xr, ldx, wc, ldp, k, res); break;
+            case 3: micro_3(xr, ldx, wc, ldp, k, res); break;
+            case 2: micro_2(xr, ldx, wc, ldp, k, res); break;
+            default: micro_1(xr, ldx, wc, ldp, k, res); break;
             }
             int64_t cols = rows - c < WR ? rows - c : WR;
             for (int64_t i = 0; i < cnt; i++)
@@ -174,11 +179,52 @@ int64_t gguf_gemm_bf16_cpu(const void *xv, int64_t m, int64_t k, int64_t ldx,
             int64_t padded = (rows + WR - 1) / WR * WR;
             if (padded > rows)
                 memset(panel + rows * k, 0, (size_t)((padded - rows) * k) * sizeof(uint16_t));
-            panel_times_x(x, m, k, ldx, panel, rows, j0, out, ldo, out_bf16);
+            panel_times_x(x, m, k, ldx, panel, k, rows, j0, out, ldo, out_bf16);
         }
         free(panel);
         free(row);
     }
     return failed ? NO_MEMORY : 0;
+#endif
+}
+
+#ifdef HAVE_BF16_GEMM
+/* Plain bf16 weights: whole WR-row groups are read where they lie; only a last group of
+ * fewer rows is copied into a zero-padded buffer. Threads split the rows in PANEL-row
+ * panels, so each x row is read once a panel from cache. */
+static int64_t dense_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                          const uint16_t *w, int64_t n, int64_t ldw, void *out, int64_t ldo,
+                          int32_t out_bf16, int32_t threads) {
+    int64_t full = n / WR * WR, groups = (full + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t j0 = g * PANEL, rows = full - j0 < PANEL ? full - j0 : PANEL;
+        panel_times_x(x, m, k, ldx, w + j0 * ldw, ldw, rows, j0, out, ldo, out_bf16);
+    }
+    if (full == n) return 0;
+    uint16_t *tail = aligned_alloc(64, (size_t)(WR * k) * sizeof(uint16_t));
+    if (!tail) return NO_MEMORY;
+    memset(tail, 0, (size_t)(WR * k) * sizeof(uint16_t));
+    for (int64_t j = full; j < n; j++)
+        memcpy(tail + (j - full) * k, w + j * ldw, (size_t)k * sizeof(uint16_t));
+    panel_times_x(x, m, k, ldx, tail, k, n - full, full, out, ldo, out_bf16);
+    free(tail);
+    return 0;
+}
+#endif
+
+/* x [M, K] bf16 @ W.T for a plain bf16 weight W [N, K] (rows `ldw` elements apart, K a
+ * multiple of 32) -> out [M, N] as gguf_gemm_bf16_cpu. Any M: at one row it is a GEMV
+ * at memory speed. Returns 0, BAD_SHAPE (2) for K, NO_MEMORY, or NO_KERNEL. */
+int64_t dense_gemm_bf16_cpu(const void *x, int64_t m, int64_t k, int64_t ldx,
+                            const void *w, int64_t n, int64_t ldw, void *out, int64_t ldo,
+                            int32_t out_bf16, int32_t threads) {
+#ifndef HAVE_BF16_GEMM
+    (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)n; (void)ldw; (void)out;
+    (void)ldo; (void)out_bf16; (void)threads;
+    return NO_KERNEL;
+#else
+    if (k <= 0 || k % 32 || ldw < k) return 2;
+    return dense_gemm(x, m, k, ldx, w, n, ldw, out, ldo, out_bf16, threads);
 #endif
 }

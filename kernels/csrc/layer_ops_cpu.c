@@ -58,16 +58,84 @@ static inline void *row_m(void *p, int64_t r, int64_t ld_, int bf16) {
     return (char *)p + (size_t)(r * ld_) * esz(bf16);
 }
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
+static inline v16f vsel(v16i m, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & m) | (bi & ~m);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+/* 16 elements from i on, as floats; 16 floats stored from i on (bf16: rounded to nearest
+ * even, NaN kept quiet, as f_to_bf16); the vector forms of ld, st and rnd. */
+static inline v16f ld16(const void *p, int64_t i, int bf16) {
+    v16f f;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        v16u b = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &b, sizeof f);
+    } else {
+        memcpy(&f, (const float *)p + i, sizeof f);
+    }
+    return f;
+}
+
+static inline v16u bf16_bits16(v16f v) {
+    v16u b;
+    memcpy(&b, &v, sizeof b);
+    v16u nan = (v16u)((b & 0x7FFFFFFFu) > 0x7F800000u);
+    v16u rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    return (nan & ((b >> 16) | 0x40u)) | (~nan & rounded);
+}
+
+static inline void st16(void *p, int64_t i, v16f v, int bf16) {
+    if (bf16) {
+        v16h h = __builtin_convertvector(bf16_bits16(v), v16h);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &v, sizeof v);
+    }
+}
+
+static inline v16f rnd16(v16f v, int bf16) {
+    if (!bf16) return v;
+    v16u b = bf16_bits16(v) << 16;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+static inline float hsum16(v16f v) {
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += v[j];
+    return s;
+}
+
 /* RMSNorm of one row of h values: out = w * round(x * rsqrt(mean(x^2) + eps)). */
 static void norm_row(const void *x, const void *w, void *out, int64_t h, float eps,
                      int bf16) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < h; i++) {
+    v16f acc = (v16f){0};
+    int64_t i = 0;
+    for (; i + 16 <= h; i += 16) {
+        v16f v = ld16(x, i, bf16);
+        acc += v * v;
+    }
+    float ss = hsum16(acc);
+    for (; i < h; i++) {
         float v = ld(x, i, bf16);
         ss += v * v;
     }
     float r = 1.0f / sqrtf(ss / (float)h + eps);
-    for (int64_t i = 0; i < h; i++)
+    for (i = 0; i + 16 <= h; i += 16)
+        st16(out, i, ld16(w, i, bf16) * rnd16(ld16(x, i, bf16) * r, bf16), bf16);
+    for (; i < h; i++)
         st(out, i, ld(w, i, bf16) * rnd(ld(x, i, bf16) * r, bf16), bf16);
 }
 
@@ -82,7 +150,9 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
         if (res_in) {
             const void *a = src, *b = row_c(res_in, r, ld_rin, bf16);
             void *s = row_m(res_out, r, ld_rout, bf16);
-            for (int64_t i = 0; i < h; i++) st(s, i, ld(a, i, bf16) + ld(b, i, bf16), bf16);
+            int64_t i = 0;
+            for (; i + 16 <= h; i += 16) st16(s, i, ld16(a, i, bf16) + ld16(b, i, bf16), bf16);
+            for (; i < h; i++) st(s, i, ld(a, i, bf16) + ld(b, i, bf16), bf16);
             src = s;
         }
         norm_row(src, w, row_m(out, r, ldo, bf16), h, eps, bf16);
@@ -149,21 +219,9 @@ int64_t rotary_qk_cpu(const void *q, int64_t ldq, const void *k, int64_t ldk, vo
     return 0;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
 /* e^x for 16 lanes, x clamped to [-87.3, 88.7] (e^x finite and normal there): x = n ln2
  * + r, e^r by a degree-6 polynomial (relative error ~2e-7), 2^n built in the exponent
  * bits. Scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
-/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
-static inline v16f vsel(v16i m, v16f a, v16f b) {
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
 
 static inline v16f exp_v16(v16f x) {
     v16f lo = (v16f){0} - 87.3f, hi = (v16f){0} + 88.7f;
@@ -195,14 +253,9 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
         void *o = row_m(out, r, ldo, bf16);
         int64_t i = 0;
         for (; i + 16 <= inter; i += 16) {
-            float g[16], s[16];
-            for (int j = 0; j < 16; j++) g[j] = ld(xr, i + j, bf16);
-            v16f gv;
-            memcpy(&gv, g, sizeof gv);
-            v16f sv = gv / (1.0f + exp_v16(-gv));
-            memcpy(s, &sv, sizeof sv);
-            for (int j = 0; j < 16; j++)
-                st(o, i + j, rnd(s[j], bf16) * ld(xr, inter + i + j, bf16), bf16);
+            v16f g = ld16(xr, i, bf16);
+            v16f sv = rnd16(g / (1.0f + exp_v16(-g)), bf16);
+            st16(o, i, sv * ld16(xr, inter + i, bf16), bf16);
         }
         for (; i < inter; i++) {
             float g = ld(xr, i, bf16), u = ld(xr, inter + i, bf16);

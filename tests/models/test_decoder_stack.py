@@ -16,6 +16,7 @@ from deepinfer.loading.loader import load_model
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
+from deepinfer_kernels.decoder_spec import BF16_TYPE
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
 
@@ -63,6 +64,25 @@ def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
     fused, fused_cache = _run(model, cfg, dtype, cpu_backend, prompts, steps=6)
     assert model.decoder_stack.get(model, LAYER_BY_LAYER) is None
     plain, plain_cache = _run(model, cfg, dtype, LAYER_BY_LAYER, prompts, steps=6)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
+@pytest.mark.skipif(not cpu_gguf.bf16_gemm(), reason="no AVX512-BF16: dense weights unbound")
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_path, num_seqs):
+    """Dequantized (``quantization="none"``) bf16 weights, read in place by the dense bf16
+    GEMM in both paths (``cpu_dense``): the same bits."""
+    model, cfg = load_model(smollm2_path, dtype="bfloat16", quantization="none")
+    spec = decoder_stack_spec(model)
+    assert spec is not None
+    layer = spec.layers[0]
+    assert {w.qtype for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {BF16_TYPE}
+    assert model.decoder_stack.get(model, cpu_backend) is not None
+    prompts = {s: list(range(4 + s, 11 + 2 * s)) for s in range(num_seqs)}
+    fused, fused_cache = _run(model, cfg, torch.bfloat16, cpu_backend, prompts, steps=4)
+    plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=4)
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, plain)
     assert torch.equal(fused_cache, plain_cache)
@@ -122,7 +142,7 @@ def test_fused_step_declines_what_it_does_not_take(auto_model):
 
 def test_models_without_a_fused_step(smollm2_path):
     none, _ = load_model(smollm2_path, dtype="float32", quantization="none")
-    assert decoder_stack_spec(none) is None  # float weights
+    assert decoder_stack_spec(none) is None  # fp32 weights: no dense kernel for them
     auto, _ = load_model(smollm2_path, dtype="float32", quantization="auto")
     assert decoder_stack_spec(auto) is not None
     # The reference and the Triton kernels have none: their models run layer by layer.

@@ -1,0 +1,81 @@
+"""Products with a plain bfloat16 weight on the CPU, read where it lies by the bf16 GEMM
+of ``kernels/csrc/gguf_gemm_bf16_cpu.c`` (``dense_gemm_bf16_cpu``), for the few-row
+shapes of decode.
+
+Why: torch's bf16 ``F.linear`` carries a fixed cost per call that dominates at a few rows
+(2 cores, AVX512-BF16, SmolLM2-135M shapes: 30-100 us for a 576-wide GEMV that reads
+0.7-3.5 MB, against 8-30 us here, 3.4-3.9x; 1.6-2x at 8 rows). From some tens of rows
+its blocked GEMM is the faster one (ours 0.8-0.9x at 128-1024 rows): those go to torch.
+Products agree with torch's to the rounding of fp32 sums and the bf16 output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels.cpu_gguf import bf16_gemm
+from deepinfer_kernels.cpu_native import native_library
+
+__all__ = ["DENSE_MAX_M", "bind_dense_matmul", "dense_gemm_usable", "dense_matmul"]
+
+#: Rows from which torch's GEMM takes over (measured, 2 cores, the default model's
+#: shapes: ours 1.0-1.24x torch's at 32 rows, 0.84-1.0x at 128).
+DENSE_MAX_M = 64
+_K_MULTIPLE = 32  # the kernel's K step: one 512-bit load of bf16
+
+
+def dense_gemm_usable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (``[N, K]``) is one the kernel reads in place: bfloat16 on the
+    CPU, unit last stride, K a multiple of 32, on a build with AVX512-BF16."""
+    return (weight.dtype == torch.bfloat16 and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] % _K_MULTIPLE == 0 and weight.shape[1] > 0
+            and weight.stride(1) == 1 and weight.stride(0) >= weight.shape[1]
+            and bf16_gemm())
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` bf16 (unit last stride) @ ``weight.T`` (``[N, K]``, usable as
+    :func:`dense_gemm_usable` says) -> ``[M, N]`` bf16, fp32 accumulation, any M."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    if m:
+        rc = native_library().dense_gemm_bf16_cpu(
+            x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
+            out.data_ptr(), n, 1, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"dense_matmul: the native kernel refused (code {rc})")
+    return out
+
+
+def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``f(x)`` = ``x @ weight.T`` (x ``[M, K]`` -> ``[M, N]`` in x's dtype) that takes
+    the kernel for bf16 x of fewer than ``DENSE_MAX_M`` rows and ``F.linear`` otherwise;
+    None where the weight is not one the kernel reads (the layer keeps ``F.linear``).
+
+    ``weight`` is the layer's parameter: a new storage swapped into it is followed (its
+    shape may not change)."""
+    if not dense_gemm_usable(weight):
+        return None
+    call = native_library().dense_gemm_bf16_cpu
+    n, k = weight.shape
+    bf16 = torch.bfloat16
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        # Plain comparisons: a decode step makes ~120 of these calls. The weight's address
+        # and dtype are read per call: loading may swap a parameter's storage.
+        m = x.shape[0]
+        if (x.dtype != bf16 or weight.dtype != bf16 or not 0 < m < DENSE_MAX_M
+                or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or not x.is_cpu):
+            return F.linear(x, weight)
+        out = torch.empty((m, n), dtype=bf16)
+        rc = call(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
+                  out.data_ptr(), n, 1, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"dense_matmul: the native kernel refused (code {rc})")
+        return out
+
+    return matmul
