@@ -234,7 +234,7 @@ def test_peers_smoke(tmp_path, monkeypatch) -> None:
     result = run(args)
     for n in (2, 3):
         r = result["deepinfer"]["runs"][str(n)]
-        assert r["tokens"] == sum(make_workload(n, 4, 8, 300, 0).max_tokens)
+        assert r["tokens"] == sum(run_workload(n, 4, 8, 300, 0).max_tokens)
         assert 0 < r["prefill_s"] and 0 < r["decode_s"] <= r["seconds"]
     assert [len(ids) for ids in result["deepinfer"]["check_fp32"]] == [5, 5]
     assert result["vllm"] is None and result["divergence"] == "vLLM not run"

@@ -39,9 +39,11 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
 # with int8 activations, and the bf16 GEMM for many rows), the decoder layer's
 # elementwise ops, the K/V store, and the decode step's whole stack of layers made of them.
-SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c",
-           _CSRC / "gguf_gemm_bf16_cpu.c", _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c",
-           _CSRC / "decoder_cpu.c")
+SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
+           _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
+           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c")
+# Included by the sources: part of what a build is cached under.
+HEADERS = (_CSRC / "vec16.h",)
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
@@ -128,7 +130,7 @@ def native_library() -> ctypes.CDLL | None:
         warnings.warn("no C compiler found (set CC): the CPU backend runs its torch path, "
                       "a few times slower at decode", RuntimeWarning, stacklevel=2)
         return None
-    source = b"\0".join(src.read_bytes() for src in SOURCES)
+    source = b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     err = None
     for flags in _FLAG_SETS:
         key = hashlib.sha256(b"\0".join([

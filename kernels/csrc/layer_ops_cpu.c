@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec16.h"
+
 #define PARALLEL_MIN (1 << 15) /* elements below which one thread is faster */
 
 static inline float bf16_to_f(uint16_t h) {
@@ -58,35 +60,10 @@ static inline void *row_m(void *p, int64_t r, int64_t ld_, int bf16) {
     return (char *)p + (size_t)(r * ld_) * esz(bf16);
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
-static inline v16f vsel(v16i m, v16f a, v16f b) {
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-
-/* 16 elements from i on, as floats; 16 floats stored from i on (bf16: rounded to nearest
- * even, NaN kept quiet, as f_to_bf16); the vector forms of ld, st and rnd. */
-static inline v16f ld16(const void *p, int64_t i, int bf16) {
-    v16f f;
-    if (bf16) {
-        v16h h;
-        memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        v16u b = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&f, &b, sizeof f);
-    } else {
-        memcpy(&f, (const float *)p + i, sizeof f);
-    }
-    return f;
-}
+/* 16 elements from i on, as floats (load16, vec16.h); 16 floats stored from i on
+ * (bf16: rounded to nearest even, NaN kept quiet, as f_to_bf16); the vector forms of
+ * ld, st and rnd. */
+static inline v16f ld16(const void *p, int64_t i, int bf16) { return load16(p, i, bf16); }
 
 static inline v16u bf16_bits16(v16f v) {
     v16u b;
@@ -219,32 +196,9 @@ int64_t rotary_qk_cpu(const void *q, int64_t ldq, const void *k, int64_t ldk, vo
     return 0;
 }
 
-/* e^x for 16 lanes, x clamped to [-87.3, 88.7] (e^x finite and normal there): x = n ln2
- * + r, e^r by a degree-6 polynomial (relative error ~2e-7), 2^n built in the exponent
- * bits. Scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
-
-static inline v16f exp_v16(v16f x) {
-    v16f lo = (v16f){0} - 87.3f, hi = (v16f){0} + 88.7f;
-    x = vsel(x < lo, lo, x);
-    x = vsel(x > hi, hi, x);
-    /* n = round(x / ln2): adding 1.5 * 2^23 rounds in the current (nearest) mode. */
-    v16f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
-    v16f p = 1.9875691500e-4f + (v16f){0};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* out [T, i] = silu(gate) * up of x [T, 2i] (gate columns, then up): silu(g) computed
- * in fp32 and rounded to the dtype, times up, rounded again (as torch does). */
+ * in fp32 and rounded to the dtype, times up, rounded again (as torch does). e^x by
+ * exp16 (vec16.h): scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
 int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int64_t t,
                          int64_t inter, int32_t bf16, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (t * inter >= PARALLEL_MIN) schedule(static)
@@ -254,7 +208,7 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
         int64_t i = 0;
         for (; i + 16 <= inter; i += 16) {
             v16f g = ld16(xr, i, bf16);
-            v16f sv = rnd16(g / (1.0f + exp_v16(-g)), bf16);
+            v16f sv = rnd16(g / (1.0f + exp16(-g)), bf16);
             st16(o, i, sv * ld16(xr, inter + i, bf16), bf16);
         }
         for (; i < inter; i++) {

@@ -21,6 +21,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The 16-lane kernel for head dims 64 / 128 and groups up to 8 (paged_decode_wide_cpu.c);
+ * 1 for other shapes, which the 8-lane kernel below takes. */
+int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
+                              int is_bf16, const int64_t *blocks, int64_t len,
+                              int64_t block_size, int64_t num_kv_heads, int64_t h0,
+                              int64_t nh, int64_t group, int64_t dim, float *out);
+
 #define MAX_BLOCK 64  /* largest block_size the engine allows */
 #define MAX_GROUP 64  /* query heads per KV head */
 #define MAX_CHUNKS 64 /* head dim <= 512 */
@@ -287,8 +294,10 @@ int64_t paged_decode_attention_cpu(
             bad = -(b + 1);
             continue;
         }
-        attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
-                            num_kv_heads, h0, nh, group, chunks, ob);
+        if (paged_decode_wide_seq(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
+                                  num_kv_heads, h0, nh, group, dim, ob))
+            attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
+                                num_kv_heads, h0, nh, group, chunks, ob);
     }
     return bad;
 }

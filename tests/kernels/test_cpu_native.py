@@ -63,6 +63,13 @@ CASES = [
     pytest.param(8, 8, 128, 64, BF16, [200, 64, 65, 3], id="mha-d128-bs64-bf16"),
     pytest.param(12, 2, 80, 32, BF16, [77, 32, 5], id="gqa6-d80-bs32-bf16"),
     pytest.param(32, 4, 8, 16, F32, [50, 18], id="gqa8-d8"),
+    # The 16-lane kernel (head dim 64 / 128, groups 1-8): tokens left over past each 16,
+    # blocks of 16 / 32 / 64, both cache dtypes.
+    pytest.param(9, 3, 64, 16, BF16, [150, 1, 15, 16, 17, 31, 33], id="wide-gqa3-d64-bf16"),
+    pytest.param(16, 4, 128, 16, BF16, [70, 5, 48], id="wide-gqa4-d128-bf16"),
+    pytest.param(16, 2, 64, 32, F32, [97, 32, 2], id="wide-gqa8-d64-bs32-f32"),
+    pytest.param(14, 7, 128, 64, F32, [130, 63, 1], id="wide-gqa2-d128-bs64-f32"),
+    pytest.param(9, 1, 64, 16, BF16, [40, 7], id="gqa9-d64-8-lane"),  # group > 8
 ]
 
 
@@ -99,14 +106,15 @@ def test_ragged_batch_over_threads_and_int64_tables(threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("d", [16, 64])  # the 8-lane and the 16-lane kernel
 @pytest.mark.parametrize("lens, hkv", [([300], 3), ([37, 0], 8), ([65, 9, 1], 2)],
                          ids=["one-seq-3-heads", "two-seqs-8-heads", "three-seqs-2-heads"])
-def test_small_batch_split_by_kv_head_over_threads(lens, hkv):
+def test_small_batch_split_by_kv_head_over_threads(lens, hkv, d):
     """Fewer sequences than threads: each sequence's KV heads are shared out (uneven
     ranges, a zero-length sequence among them)."""
-    g = generator(seed_for("cpu-native-split", lens, hkv))
-    kv = _paged_kv(lens, 16, hkv, 16, F32, g)
-    q = randn((len(lens), 2 * hkv, 16), F32, g).cpu()
+    g = generator(seed_for("cpu-native-split", lens, hkv, d))
+    kv = _paged_kv(lens, 16, hkv, d, F32, g)
+    q = randn((len(lens), 2 * hkv, d), F32, g).cpu()
     got, want = _native_vs_reference(q, kv, threads=4)
     live = [b for b, n in enumerate(lens) if n]
     assert_close(got[live], want[live], F32)

@@ -1,0 +1,195 @@
+/* Paged decode attention for one sequence, 16 lanes wide, for the common shapes: head
+ * dim 64 or 128 and up to 8 query heads per KV head. Called by paged_decode_cpu.c for
+ * each work item; it returns 1 for a shape it does not take, and the 8-lane kernel there
+ * runs it instead. Built with the other C kernels by kernels/cpu_native.py.
+ *
+ * Why: the 8-lane kernel sizes its per-head arrays at run time, so its accumulators live
+ * in memory and each K row is widened once per query head; on 2 cores it ran at ~38 ns
+ * per token and KV head (bf16 cache, 64 wide, 3 heads a group), about 7 GB/s, which made
+ * attention a fifth of a batched decode step. Here the group size and the head dim are
+ * constants at each call (one instantiation per pair), the query rows and accumulators of
+ * a KV head's group stay in registers, and each K and V row is widened once for all of
+ * the group's heads.
+ *
+ * Per KV head: its query heads walk the sequence 16 tokens at a time. Scores: one dot
+ * product vector per (token, head), summed across lanes by a transpose-and-add tree (16
+ * vectors into one: 15 shuffle pairs). Softmax: online, rescaled once per 16 tokens.
+ * Then the 16 weighted V rows. fp32 math, as the 8-lane kernel; sums run in another
+ * order, so results agree to fp32 rounding.
+ *
+ *   q    [heads, D] float32, the item's query rows (KV head h's group at h * G), scaled
+ *   k/v  the whole cache [NB, BS, Hkv, D], float32 or bfloat16
+ *   out  [heads, D] float32
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec16.h"
+
+#define TOKENS 16 /* tokens per score vector */
+
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+
+/* r[t] = the sum of x[t]'s lanes, t < 16: pairs, then quads, octets, halves. */
+static inline v16f hsum16(const v16f *x) {
+    v16f b[8], c[4], e[2];
+    for (int k = 0; k < 8; ++k)
+        b[k] = SHUF(x[2 * k], x[2 * k + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                    14, 30)
+             + SHUF(x[2 * k], x[2 * k + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                    15, 31);
+    for (int k = 0; k < 4; ++k)
+        c[k] = SHUF(b[2 * k], b[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                    28, 29)
+             + SHUF(b[2 * k], b[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                    30, 31);
+    for (int k = 0; k < 2; ++k)
+        e[k] = SHUF(c[2 * k], c[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                    26, 27)
+             + SHUF(c[2 * k], c[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                    30, 31);
+    return SHUF(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+         + SHUF(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* The n tokens (n <= the block size) of one block for KV head h and its G query heads,
+ * from cache offset `base` (token 0, head h); `next` is the same offset in the next block
+ * (-1: none), whose rows are requested as this block's are read (blocks are scattered,
+ * and requests spread out do not queue up behind each other). qv: the G query rows;
+ * acc, m, l: the heads' running output, max and sum, updated. */
+static inline __attribute__((always_inline)) void attend_block(
+    const v16f *restrict qv, const void *k_cache, const void *v_cache, int is_bf16,
+    int64_t n, int64_t base, int64_t next, int64_t row, const int G, const int C,
+    v16f *restrict acc_out, float *restrict m, float *restrict l) {
+    const int64_t d = C * 16, esize = is_bf16 ? 2 : 4;
+    v16f acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = acc_out[g * C + c];
+    for (int64_t t0 = 0; t0 < n; t0 += TOKENS) {
+        const int64_t nt = n - t0 < TOKENS ? n - t0 : TOKENS;
+        v16f dots[G][TOKENS];
+        for (int64_t u = 0; u < TOKENS; ++u) {
+            if (u >= nt) {
+                for (int g = 0; g < G; ++g) dots[g][u] = (v16f){0};
+                continue;
+            }
+            if (next >= 0)
+                for (int64_t b = 0; b < d * esize; b += 64)
+                    __builtin_prefetch((const char *)k_cache + (next + (t0 + u) * row) * esize
+                                       + b, 0, 3);
+            v16f kr[C];
+            for (int c = 0; c < C; ++c)
+                kr[c] = load16(k_cache, base + (t0 + u) * row + 16 * c, is_bf16);
+            for (int g = 0; g < G; ++g) {
+                v16f x = qv[g * C] * kr[0];
+                for (int c = 1; c < C; ++c) x += qv[g * C + c] * kr[c];
+                dots[g][u] = x;
+            }
+        }
+        float p[G][TOKENS] __attribute__((aligned(64)));
+        const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const v16i live = lane < (int32_t)nt;
+        for (int g = 0; g < G; ++g) {
+            v16f s = vsel16(live, hsum16(dots[g]), (v16f){0} - INFINITY);
+            float bmax = s[0];
+            for (int k = 1; k < TOKENS; ++k) bmax = s[k] > bmax ? s[k] : bmax;
+            const float mnew = m[g] > bmax ? m[g] : bmax;
+            const float corr = expf(m[g] - mnew); /* exp(-inf) = 0 at the start */
+            v16f e = exp16(s - mnew);
+            float sum = 0.0f;
+            for (int k = 0; k < TOKENS; ++k) sum += e[k];
+            l[g] = l[g] * corr + sum;
+            m[g] = mnew;
+            for (int c = 0; c < C; ++c) acc[g][c] *= corr;
+            memcpy(p[g], &e, sizeof e);
+        }
+        for (int64_t u = 0; u < nt; ++u) {
+            if (next >= 0)
+                for (int64_t b = 0; b < d * esize; b += 64)
+                    __builtin_prefetch((const char *)v_cache + (next + (t0 + u) * row) * esize
+                                       + b, 0, 3);
+            v16f vr[C];
+            for (int c = 0; c < C; ++c)
+                vr[c] = load16(v_cache, base + (t0 + u) * row + 16 * c, is_bf16);
+            for (int g = 0; g < G; ++g) {
+                const float w = p[g][u];
+                for (int c = 0; c < C; ++c) acc[g][c] += w * vr[c];
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc_out[g * C + c] = acc[g][c];
+}
+
+/* KV heads h0 .. h0 + nh - 1 of a sequence (G query heads each, C * 16 wide; q and out:
+ * those heads' rows), block by block: each block's rows are read in address order, all
+ * of its heads before the next block. */
+static inline __attribute__((always_inline)) void attend_seq16(
+    const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
+    const int64_t *blocks, int64_t len, int64_t block_size, int64_t row, int64_t h0,
+    int64_t nh, const int G, const int C, float *restrict out) {
+    const int64_t d = C * 16, heads = nh * G;
+    v16f qv[heads * C], acc[heads * C];
+    float m[heads], l[heads];
+    for (int64_t i = 0; i < heads * C; ++i) {
+        memcpy(&qv[i], q + 16 * i, sizeof(v16f));
+        acc[i] = (v16f){0};
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+        const int64_t base = blocks[j] * block_size * row;
+        const int64_t next = j + 1 < nblocks ? blocks[j + 1] * block_size * row : -1;
+        for (int64_t h = 0; h < nh; ++h) {
+            const int64_t off = (h0 + h) * d;
+            attend_block(qv + h * G * C, k_cache, v_cache, is_bf16, n, base + off,
+                         next < 0 ? -1 : next + off, row, G, C, acc + h * G * C, m + h * G,
+                         l + h * G);
+        }
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+        const float inv = 1.0f / l[i];
+        for (int c = 0; c < C; ++c) {
+            v16f o = acc[i * C + c] * inv;
+            memcpy(out + i * d + 16 * c, &o, sizeof o);
+        }
+    }
+}
+
+/* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
+ * head dim `dim`): q and out hold those heads' rows. Returns 0, or 1 for a shape this
+ * kernel does not take (nothing written). */
+int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
+                              int is_bf16, const int64_t *blocks, int64_t len,
+                              int64_t block_size, int64_t num_kv_heads, int64_t h0,
+                              int64_t nh, int64_t group, int64_t dim, float *out) {
+    const int64_t row = num_kv_heads * dim;
+#define HEAD(G, C)                                                                     \
+    attend_seq16(q, k_cache, v_cache, is_bf16, blocks, len, block_size, row, h0, nh, G, C, \
+                 out);                                                                     \
+    return 0
+#define GROUPS(C)                                        \
+    switch (group) {                                     \
+        case 1: HEAD(1, C); case 2: HEAD(2, C);           \
+        case 3: HEAD(3, C); case 4: HEAD(4, C);           \
+        case 5: HEAD(5, C); case 6: HEAD(6, C);           \
+        case 7: HEAD(7, C); case 8: HEAD(8, C);           \
+        default: return 1;                               \
+    }
+    switch (dim) {
+        case 64: GROUPS(4);
+        case 128: GROUPS(8);
+        default: return 1;
+    }
+#undef GROUPS
+#undef HEAD
+}

@@ -1,0 +1,64 @@
+/* 16-lane float vectors (GCC/Clang vector extensions: one AVX-512 register, or two AVX2
+ * ones) and the few operations on them that more than one C kernel uses. Included by
+ * layer_ops_cpu.c and paged_decode_wide_cpu.c; kernels/cpu_native.py hashes it with the
+ * sources, so a change rebuilds the library. */
+#ifndef DEEPINFER_VEC16_H
+#define DEEPINFER_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
+static inline v16f vsel16(v16i m, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & m) | (bi & ~m);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+/* 16 elements of p from index i, as floats: bf16 (fp32's top half) or fp32. */
+static inline v16f load16(const void *p, int64_t i, int bf16) {
+    v16f f;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        v16u b = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &b, sizeof f);
+    } else {
+        memcpy(&f, (const float *)p + i, sizeof f);
+    }
+    return f;
+}
+
+/* e^x for 16 lanes: x = n ln2 + r, e^r by a degree-6 polynomial (relative error ~2e-7),
+ * 2^n built in the exponent bits. x is clamped to 88.7 (e^x finite); lanes below -87.3
+ * (e^x under FLT_MIN, and -inf) give exactly 0. */
+static inline v16f exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.3f, hi = (v16f){0} + 88.7f;
+    v16i tiny = x < lo;
+    x = vsel16(tiny, lo, x); /* keeps n in range; those lanes are zeroed below */
+    x = vsel16(x > hi, hi, x);
+    /* n = round(x / ln2): adding 1.5 * 2^23 rounds in the current (nearest) mode. */
+    v16f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
+    v16f p = 1.9875691500e-4f + (v16f){0};
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return vsel16(tiny, (v16f){0}, p * scale);
+}
+
+#endif
