@@ -36,19 +36,24 @@ def dense_gemm_usable(weight: torch.Tensor) -> bool:
             and bf16_gemm())
 
 
-def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x ``[M, K]`` bf16 (unit last stride) @ ``weight.T`` (``[N, K]``, usable as
-    :func:`dense_gemm_usable` says) -> ``[M, N]`` bf16, fp32 accumulation, any M."""
+def _product(call, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``call`` (the library's ``dense_gemm_bf16_cpu``) on checked x ``[M > 0, K]``."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
-    if m:
-        rc = native_library().dense_gemm_bf16_cpu(
-            x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
-            out.data_ptr(), n, 1, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"dense_matmul: the native kernel refused (code {rc})")
+    rc = call(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
+              out.data_ptr(), n, 1, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"dense_matmul: the native kernel refused (code {rc})")
     return out
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x ``[M, K]`` bf16 (unit last stride) @ ``weight.T`` (``[N, K]``, usable as
+    :func:`dense_gemm_usable` says) -> ``[M, N]`` bf16, fp32 accumulation, any M."""
+    if not x.shape[0]:
+        return torch.empty((0, weight.shape[0]), dtype=torch.bfloat16)
+    return _product(native_library().dense_gemm_bf16_cpu, x, weight)
 
 
 def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -61,7 +66,7 @@ def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     if not dense_gemm_usable(weight):
         return None
     call = native_library().dense_gemm_bf16_cpu
-    n, k = weight.shape
+    k = weight.shape[1]
     bf16 = torch.bfloat16
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +76,6 @@ def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
         if (x.dtype != bf16 or weight.dtype != bf16 or not 0 < m < DENSE_MAX_M
                 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or not x.is_cpu):
             return F.linear(x, weight)
-        out = torch.empty((m, n), dtype=bf16)
-        rc = call(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
-                  out.data_ptr(), n, 1, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"dense_matmul: the native kernel refused (code {rc})")
-        return out
+        return _product(call, x, weight)
 
     return matmul

@@ -47,9 +47,7 @@ int64_t gguf_gemm_bf16_available(void) {
 #define PANEL 32 /* weight rows a thread decodes at a time: 32 x K bf16 stays in L1/L2 */
 #define WR 4     /* weight rows per micro-kernel call */
 #define XR 6     /* x rows per micro-kernel call: 6 x 4 accumulators + 4 weights + 1 x */
-#ifndef PF
-#define PF 8
-#endif
+#define PF 8 /* weight rows ahead that a dense weight's micro-kernel asks for */
 
 /* The lane sums of four accumulators: [sum a0, sum a1, sum a2, sum a3]. */
 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -62,16 +60,18 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 /* R x rows (ldx apart) against WR weight rows (ldw apart): res[r] holds the WR dot
- * products of x row r. Written out per R so the accumulators live in registers. */
+ * products of x row r. Written out per R so the accumulators live in registers. `pf`
+ * rows ahead are requested as these are read: PF for a weight read from memory, 0 (the
+ * lines being read, already in cache) for a decoded panel. */
 #define MICRO_KERNEL(R)                                                                   \
     static void micro_##R(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, \
-                          int64_t k, __m128 *res) {                                       \
+                          int64_t k, int64_t pf, __m128 *res) {                           \
         __m512 acc[R][WR];                                                                \
         for (int r = 0; r < R; r++)                                                       \
             for (int c = 0; c < WR; c++) acc[r][c] = _mm512_setzero_ps();                 \
         for (int64_t i = 0; i < k; i += 32) {                                             \
             for (int c = 0; c < WR; c++)                                                  \
-                _mm_prefetch((const char *)(w + (PF + c) * ldw + i), _MM_HINT_T0);        \
+                _mm_prefetch((const char *)(w + (pf + c) * ldw + i), _MM_HINT_T0);        \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);                            \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + ldw + i);                      \
             __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2 * ldw + i);                  \
@@ -124,10 +124,11 @@ static inline void store(void *out, int64_t at, __m128 v, int64_t cols, int out_
 }
 
 /* Every x row against one panel of `rows` bf16 weight rows `ldp` elements apart (padded
- * with zero rows to a multiple of WR), written to out columns j0... */
+ * with zero rows to a multiple of WR), written to out columns j0...; `pf` as for the
+ * micro-kernels. */
 static void panel_times_x(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
-                          const uint16_t *panel, int64_t ldp, int64_t rows, int64_t j0,
-                          void *out, int64_t ldo, int out_bf16) {
+                          const uint16_t *panel, int64_t ldp, int64_t rows, int64_t pf,
+                          int64_t j0, void *out, int64_t ldo, int out_bf16) {
     for (int64_t r = 0; r < m; r += XR) {
         int64_t cnt = m - r < XR ? m - r : XR;
         const uint16_t *xr = x + r * ldx;
@@ -135,12 +136,12 @@ static void panel_times_x(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
             __m128 res[XR];
             const uint16_t *wc = panel + c * ldp;
             switch (cnt) {
-            case 6: micro_6(xr, ldx, wc, ldp, k, res); break;
-            case 5: micro_5(xr, ldx, wc, ldp, k, res); break;
-            case 4: micro_4(xr, ldx, wc, ldp, k, res); break;
-            case 3: micro_3(xr, ldx, wc, ldp, k, res); break;
-            case 2: micro_2(xr, ldx, wc, ldp, k, res); break;
-            default: micro_1(xr, ldx, wc, ldp, k, res); break;
+            case 6: micro_6(xr, ldx, wc, ldp, k, pf, res); break;
+            case 5: micro_5(xr, ldx, wc, ldp, k, pf, res); break;
+            case 4: micro_4(xr, ldx, wc, ldp, k, pf, res); break;
+            case 3: micro_3(xr, ldx, wc, ldp, k, pf, res); break;
+            case 2: micro_2(xr, ldx, wc, ldp, k, pf, res); break;
+            default: micro_1(xr, ldx, wc, ldp, k, pf, res); break;
             }
             int64_t cols = rows - c < WR ? rows - c : WR;
             for (int64_t i = 0; i < cnt; i++)
@@ -179,7 +180,7 @@ int64_t gguf_gemm_bf16_cpu(const void *xv, int64_t m, int64_t k, int64_t ldx,
             int64_t padded = (rows + WR - 1) / WR * WR;
             if (padded > rows)
                 memset(panel + rows * k, 0, (size_t)((padded - rows) * k) * sizeof(uint16_t));
-            panel_times_x(x, m, k, ldx, panel, k, rows, j0, out, ldo, out_bf16);
+            panel_times_x(x, m, k, ldx, panel, k, rows, 0, j0, out, ldo, out_bf16);
         }
         free(panel);
         free(row);
@@ -199,7 +200,7 @@ static int64_t dense_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         int64_t j0 = g * PANEL, rows = full - j0 < PANEL ? full - j0 : PANEL;
-        panel_times_x(x, m, k, ldx, w + j0 * ldw, ldw, rows, j0, out, ldo, out_bf16);
+        panel_times_x(x, m, k, ldx, w + j0 * ldw, ldw, rows, PF, j0, out, ldo, out_bf16);
     }
     if (full == n) return 0;
     uint16_t *tail = aligned_alloc(64, (size_t)(WR * k) * sizeof(uint16_t));
@@ -207,7 +208,7 @@ static int64_t dense_gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
     memset(tail, 0, (size_t)(WR * k) * sizeof(uint16_t));
     for (int64_t j = full; j < n; j++)
         memcpy(tail + (j - full) * k, w + j * ldw, (size_t)k * sizeof(uint16_t));
-    panel_times_x(x, m, k, ldx, tail, k, n - full, full, out, ldo, out_bf16);
+    panel_times_x(x, m, k, ldx, tail, k, n - full, 0, full, out, ldo, out_bf16);
     free(tail);
     return 0;
 }

@@ -60,11 +60,9 @@ static inline void *row_m(void *p, int64_t r, int64_t ld_, int bf16) {
     return (char *)p + (size_t)(r * ld_) * esz(bf16);
 }
 
-/* 16 elements from i on, as floats (load16, vec16.h); 16 floats stored from i on
- * (bf16: rounded to nearest even, NaN kept quiet, as f_to_bf16); the vector forms of
- * ld, st and rnd. */
-static inline v16f ld16(const void *p, int64_t i, int bf16) { return load16(p, i, bf16); }
-
+/* 16 floats stored from i on (bf16: rounded to nearest even, NaN kept quiet, as
+ * f_to_bf16) and rounded to the dtype: with load16 (vec16.h), the vector forms of st,
+ * rnd and ld. */
 static inline v16u bf16_bits16(v16f v) {
     v16u b;
     memcpy(&b, &v, sizeof b);
@@ -101,7 +99,7 @@ static void norm_row(const void *x, const void *w, void *out, int64_t h, float e
     v16f acc = (v16f){0};
     int64_t i = 0;
     for (; i + 16 <= h; i += 16) {
-        v16f v = ld16(x, i, bf16);
+        v16f v = load16(x, i, bf16);
         acc += v * v;
     }
     float ss = hsum16(acc);
@@ -111,7 +109,7 @@ static void norm_row(const void *x, const void *w, void *out, int64_t h, float e
     }
     float r = 1.0f / sqrtf(ss / (float)h + eps);
     for (i = 0; i + 16 <= h; i += 16)
-        st16(out, i, ld16(w, i, bf16) * rnd16(ld16(x, i, bf16) * r, bf16), bf16);
+        st16(out, i, load16(w, i, bf16) * rnd16(load16(x, i, bf16) * r, bf16), bf16);
     for (; i < h; i++)
         st(out, i, ld(w, i, bf16) * rnd(ld(x, i, bf16) * r, bf16), bf16);
 }
@@ -128,7 +126,7 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
             const void *a = src, *b = row_c(res_in, r, ld_rin, bf16);
             void *s = row_m(res_out, r, ld_rout, bf16);
             int64_t i = 0;
-            for (; i + 16 <= h; i += 16) st16(s, i, ld16(a, i, bf16) + ld16(b, i, bf16), bf16);
+            for (; i + 16 <= h; i += 16) st16(s, i, load16(a, i, bf16) + load16(b, i, bf16), bf16);
             for (; i < h; i++) st(s, i, ld(a, i, bf16) + ld(b, i, bf16), bf16);
             src = s;
         }
@@ -207,9 +205,9 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
         void *o = row_m(out, r, ldo, bf16);
         int64_t i = 0;
         for (; i + 16 <= inter; i += 16) {
-            v16f g = ld16(xr, i, bf16);
+            v16f g = load16(xr, i, bf16);
             v16f sv = rnd16(g / (1.0f + exp16(-g)), bf16);
-            st16(o, i, sv * ld16(xr, inter + i, bf16), bf16);
+            st16(o, i, sv * load16(xr, inter + i, bf16), bf16);
         }
         for (; i < inter; i++) {
             float g = ld(xr, i, bf16), u = ld(xr, inter + i, bf16);
