@@ -100,7 +100,9 @@ class BatchBuffers:
         self.pinned = pin  # the engine runs on CUDA: copies from here are asynchronous
         # An event (anything with ``synchronize()``) recorded after the consumer's copies.
         self.copied: Any = None
-        self._views: dict[tuple[int, int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._batches: dict[tuple[int, int, int, int], LaunchBatch] = {}
+        # The ``RunningRows`` whose row-only fields the buffers hold (``decode``).
+        self.rows: object = None
 
     def wait_until_copied(self) -> None:
         """Block until the last consumer's copies out of these buffers have completed."""
@@ -115,20 +117,25 @@ class BatchBuffers:
     def make(self, t: int, b: int, w: int, s: int, max_query_len: int,
              max_seq_len: int) -> LaunchBatch:
         """Tensors over the first t tokens / b sequences / s samples of the buffers. The
-        views of a size seen before are reused (same memory; nine slices cost ~20 us,
-        and decode steps repeat their sizes)."""
+        batch of a size seen before is reused, its two lengths updated (same memory;
+        nine slices and the dataclass cost ~20 us, and decode steps repeat their sizes):
+        a batch of this buffer set is only valid until the set is written again."""
         key = (t, b, w, s)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) >= 64:  # prompt steps vary: keep the cache small
-                self._views.clear()
-            views = self._views[key] = (
+        batch = self._batches.get(key)
+        if batch is None:
+            if len(self._batches) >= 64:  # prompt steps vary: keep the cache small
+                self._batches.clear()
+            batch = self._batches[key] = LaunchBatch(
                 self.input_ids[:t], self.positions[:t], self.slot_mapping[:t],
                 self.block_tables[: b * w].view(b, w), self.seq_lens[:b],
                 self.query_start_loc[: b + 1], self.logits_indices[:s],
-                self.state_slots[:b], self.sample_state_slots[:s])
-        return LaunchBatch(*views, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                           num_tokens=t, buffers=self)
+                self.state_slots[:b], self.sample_state_slots[:s],
+                max_query_len=max_query_len, max_seq_len=max_seq_len, num_tokens=t,
+                buffers=self)
+        else:
+            batch.max_query_len = max_query_len
+            batch.max_seq_len = max_seq_len
+        return batch
 
 
 class BatchBuilder:
@@ -149,17 +156,15 @@ class BatchBuilder:
         buf.wait_until_copied()
         return buf
 
-    def _block_tables(self, buf: BatchBuffers, slots: np.ndarray) -> int:
-        """Copy the rows of ``slots`` (int64 [B]) at the width of the widest; returns it."""
-        kv = self._kv
-        nb = slots.shape[0]
-        w = int(kv.nblocks[slots].max())
-        np.take(kv.tables[:, :w], slots, axis=0, out=buf.block_tables_view(nb, w))
-        return w
+    def _block_tables(self, buf: BatchBuffers, slots: np.ndarray, w: int) -> None:
+        """Copy the first ``w`` blocks of the rows of ``slots`` (int64 [B])."""
+        # A fancy-index copy: np.take with ``out`` into a strided view is ~4x slower.
+        buf.block_tables_view(slots.shape[0], w)[...] = self._kv.tables[slots, :w]
 
     def empty(self) -> LaunchBatch:
         """A batch of nothing (an empty prompt step, or a decode step with no sequence)."""
         buf = self._next()
+        buf.rows = None
         buf.query_start_loc_np[0] = 0
         return buf.make(0, 0, 0, 0, 0, 0)
 
@@ -176,6 +181,7 @@ class BatchBuilder:
         starts = np.fromiter((a for _, a, _ in sched), dtype=np.int64, count=nb)
         lens = np.fromiter((n for _, _, n in sched), dtype=np.int64, count=nb)
         buf = self._next()
+        buf.rows = None
         qsl = buf.query_start_loc_np[: nb + 1]
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1:])
@@ -192,31 +198,42 @@ class BatchBuilder:
         seq_lens = starts + lens
         buf.seq_lens_np[:nb] = seq_lens
         buf.state_slots_np[:nb] = slots
-        w = self._block_tables(buf, slots)
+        w = int(self._kv.nblocks[slots].max())
+        self._block_tables(buf, slots, w)
         ns = len(sample_rows)
         if ns:
             np.subtract(qsl[1:][sample_rows], 1, out=buf.logits_indices_np[:ns])
             buf.sample_state_slots_np[:ns] = sample_slots
         return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
 
-    def decode(self, slots: np.ndarray, pos: np.ndarray, tgt: np.ndarray,
-               last_token: np.ndarray) -> LaunchBatch:
+    def decode(self, slots: np.ndarray, ntok: np.ndarray, tgt: np.ndarray,
+               last_token: np.ndarray, rows: object) -> LaunchBatch:
         """Decode step, one token per sequence: ``slots`` (int64 [B]) their state slots,
-        ``pos`` (int64 [B]) the position each writes, ``tgt`` (int32 [B]) the block that
-        position falls in, ``last_token`` (int64 [num_slots]) the input token by slot."""
+        ``ntok`` (int64 [B]) their lengths with the token each feeds (which it writes at
+        position ``ntok - 1``), ``tgt`` (int32 [B]) the block that position falls in,
+        ``last_token`` (int64 [num_slots]) the input token by slot. ``rows``: the object
+        the rows come from (``RunningRows``); a buffer that last held a step of the same
+        object keeps the fields that depend only on the rows (query starts, logits rows,
+        state slots) instead of writing them again."""
         bs = self._kv.block_size
         nb = slots.shape[0]
         buf = self._next()
-        np.take(last_token, slots, out=buf.input_ids_np[:nb])
-        buf.positions_np[:nb] = pos
+        buf.input_ids_np[:nb] = last_token[slots]
+        pos = buf.positions_np[:nb]
+        np.subtract(ntok, 1, out=pos)
         sm = buf.slot_mapping_np[:nb]
         np.multiply(tgt, bs, out=sm)
         sm += pos % bs
-        buf.seq_lens_np[:nb] = pos + 1
-        arange = self._arange
-        buf.query_start_loc_np[: nb + 1] = arange[: nb + 1]
-        buf.logits_indices_np[:nb] = arange[:nb]
-        buf.state_slots_np[:nb] = slots
-        buf.sample_state_slots_np[:nb] = slots
-        w = self._block_tables(buf, slots)
-        return buf.make(nb, nb, w, nb, 1, int(pos.max()) + 1)
+        buf.seq_lens_np[:nb] = ntok
+        if buf.rows is not rows:
+            arange = self._arange
+            buf.query_start_loc_np[: nb + 1] = arange[: nb + 1]
+            buf.logits_indices_np[:nb] = arange[:nb]
+            buf.state_slots_np[:nb] = slots
+            buf.sample_state_slots_np[:nb] = slots
+            buf.rows = rows
+        max_len = int(ntok.max())
+        # Blocks up to the longest length: a row never holds blocks past its length.
+        w = -(-max_len // bs)
+        self._block_tables(buf, slots, w)
+        return buf.make(nb, nb, w, nb, 1, max_len)

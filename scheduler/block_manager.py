@@ -80,6 +80,21 @@ class BlockPool:
         self.ref[b] = 1
         return b
 
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` blocks as ``allocate`` gives them, in order (the caller checked
+        ``num_free``): one call for a decode step's new blocks."""
+        free, gen = self._free, self._gen
+        out = []
+        for _ in range(n):
+            if free:
+                b = free.pop()
+                gen[b] += 1
+            else:  # evicts, as allocate does
+                b = self.allocate()
+            out.append(b)
+        self.ref[out] = 1
+        return out
+
     def take(self, b: int) -> None:
         """Add a reference to block ``b`` (a prefix-cache hit or a fork share)."""
         if self.ref[b] == 0:
@@ -150,6 +165,32 @@ class BlockPool:
             self._parent[b] = parent
             self._cached[h] = b
         return b
+
+    def generation(self, b: int) -> int:
+        """How many times block ``b`` has been allocated: unchanged means it still holds
+        what it held when read."""
+        return self._gen[b]
+
+    def register_after(self, tail: int, tail_gen: int, tail_hash: int, b: int, h: int,
+                       tokens: tuple[int, ...]) -> tuple[int, int]:
+        """``register(b, h, tokens, tail)`` for a chain known to continue from block
+        ``tail`` (the block the cache held under ``tail_hash`` when it was allocated for
+        the ``tail_gen``-th time), in one call: returns the block the chain now goes on
+        from and its generation, or ``(-1, -1)``, with nothing changed, if ``tail``
+        no longer holds that place (``chain_block`` finds where the chain stands)."""
+        gen = self._gen
+        if gen[tail] != tail_gen or self._cached.get(tail_hash) != tail:
+            return -1, -1
+        owner = self._cached.get(h)
+        if owner is not None:
+            same = self._tokens[owner] == tokens and self._parent[owner] == (tail, tail_gen)
+            b = owner if same else b
+        elif self._hash[b] is None:
+            self._hash[b] = h
+            self._tokens[b] = tokens
+            self._parent[b] = (tail, tail_gen)
+            self._cached[h] = b
+        return b, gen[b]
 
     def chain_block(self, h: int, tokens: tuple[int, ...], own: int) -> int:
         """The block a chain continues from after a sequence's block ``own`` (chain hash

@@ -30,6 +30,12 @@ def check_scheduler(seqs: list[Sequence], running: list[Sequence],
             assert seq.slot >= 0
             # Blocks cover every token whose KV a scheduled step writes.
             assert len(seq.blocks) * kv.block_size >= states.num_tokens[seq.slot] - 1
+        if seq.status is _RUNNING and seq.slot not in kv.shared_tail:
+            # Only a fork shares the block the next decode writes into (decode_todo).
+            blocks = seq.blocks
+            bi = (int(states.num_tokens[seq.slot]) - 1) // kv.block_size
+            assert bi >= len(blocks) or kv.pool.ref[blocks[bi]] == 1, \
+                f"seq {seq.seq_id}: shared write block outside shared_tail"
     kv.check(seqs)
     states.check(seqs)
     assert len(running) + len(waiting) + len(handoffs) == len(seqs)

@@ -8,6 +8,8 @@ only this class writes it. The decode step gathers the rows of a whole batch at 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from deepinfer_scheduler.block_manager import ROOT_HASH, BlockPool, chain_hash
@@ -22,6 +24,10 @@ class KVCache:
     nblocks       int64 [num_slots]              blocks in each row (0 for a free slot)
     clone_blocks  list[int]  this step's copy-on-write pairs, flat ``src, dst, ...``
                   (the scheduler clears it at the start of every ``schedule()``)
+    shared_tail   set[int]   slots whose row may share the block its next decode write
+                  falls in (a fork shares the partial last block); only these rows can
+                  need a copy-on-write, so a decode step need not test every row. A
+                  slot leaves the set once ``make_writable`` made its block its own.
     """
 
     def __init__(self, pool: BlockPool, num_slots: int, max_blocks: int) -> None:
@@ -30,6 +36,7 @@ class KVCache:
         self.tables = np.zeros((num_slots, max_blocks), dtype=np.int32)
         self.nblocks = np.zeros(num_slots, dtype=np.int64)
         self.clone_blocks: list[int] = []
+        self.shared_tail: set[int] = set()
         # tables[slot, i] as a Python int, bound once: register() runs per full block.
         self._block_id = self.tables.item
 
@@ -84,6 +91,8 @@ class KVCache:
         if n:
             self.tables[seq.slot, :n] = hits
             self.nblocks[seq.slot] = n
+            seq.chain_tail = hits[-1]  # lookup returns the cached chain itself
+            seq.chain_gen = self.pool.generation(hits[-1])
         seq.num_registered = n
 
     def share(self, src: int, dst: int) -> None:
@@ -96,6 +105,7 @@ class KVCache:
             take(b)
         self.tables[dst, :n] = row
         self.nblocks[dst] = n
+        self.shared_tail.update((src, dst))
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s row (its full registered blocks stay in the prefix cache)."""
@@ -106,19 +116,37 @@ class KVCache:
                 self.pool.free(self.tables[slot, :n].tolist())
                 self.tables[slot, :n] = 0
                 self.nblocks[slot] = 0
+            self.shared_tail.discard(slot)
         seq.num_registered = 0
 
     # ------------------------------------------------------------------ decode writes
-    def decode_targets(self, slots: np.ndarray, pos: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For decode rows writing position ``pos`` (int64 [B]) of slots ``slots``
-        (int64 [B]): the index of the block each writes into (int64 [B]), its id (int32
-        [B]; stale where it has none yet), and the rows that need ``make_writable``
-        first (int64 [K], ascending): no block yet, or one shared with a fork sibling."""
-        bidx = pos // self.block_size
-        tgt = self.tables[slots, bidx]
-        todo = np.flatnonzero((bidx >= self.nblocks[slots]) | (self.pool.ref[tgt] > 1))
-        return bidx, tgt, todo
+    def decode_todo(self, slots: np.ndarray, bidx: np.ndarray) -> list[int]:
+        """Decode rows that need ``make_writable`` before writing into block index
+        ``bidx`` (int64 [B]) of slots ``slots`` (int64 [B]): no block there yet, or one
+        that may be shared (``shared_tail``). Row indices, ascending."""
+        todo = (bidx >= self.nblocks[slots]).nonzero()[0].tolist()
+        if self.shared_tail:
+            shared = self.shared_tail
+            todo = sorted(set(todo).union(
+                i for i, s in enumerate(slots.tolist()) if s in shared))
+        return todo
+
+    def grow(self, slots: np.ndarray, rows: list[int]) -> bool:
+        """Append one fresh block to the rows ``rows`` (from ``decode_todo``) of
+        ``slots`` (int64 [B]) when that is all they need: no row may share its block
+        and the pool has a block for each. False, with nothing changed, otherwise
+        (``make_writable`` row by row then)."""
+        if self.shared_tail or len(rows) > self.pool.num_free:
+            return False
+        s = slots[rows]
+        n = self.nblocks[s]
+        self.tables[s, n] = self.pool.allocate_many(len(rows))
+        self.nblocks[s] = n + 1
+        return True
+
+    def block_ids(self, slots: np.ndarray, bidx: np.ndarray) -> np.ndarray:
+        """int32 [B]: the block at index ``bidx[i]`` of slot ``slots[i]``'s row."""
+        return self.tables[slots, bidx]
 
     def make_writable(self, slot: int, pos: int) -> bool:
         """Make the block that position ``pos`` of the slot's holder falls in exist and
@@ -132,6 +160,8 @@ class KVCache:
                 return False
             self.tables[slot, n] = pool.allocate()
             self.nblocks[slot] = n + 1
+            if self.shared_tail:
+                self.shared_tail.discard(slot)
             return True
         old = int(self.tables[slot, bi])
         if pool.ref[old] > 1:  # shared with a fork sibling: copy before writing
@@ -141,6 +171,8 @@ class KVCache:
             pool.free([old])
             self.tables[slot, bi] = new
             self.clone_blocks += (old, new)
+        if self.shared_tail:
+            self.shared_tail.discard(slot)
         return True
 
     # ------------------------------------------------------------------ prefix cache
@@ -164,21 +196,45 @@ class KVCache:
         return self.pool.lookup(self._hashes(seq, nfull)[:nfull],
                                 lambda i: tuple(seq.token_slice(i * bs, (i + 1) * bs)))
 
-    def register(self, seq: Sequence, computed: int) -> None:
-        """Register the sequence's full blocks among its first ``computed`` tokens in
-        the prefix cache (those not registered yet)."""
+    def register(self, seqs: Iterable[Sequence], computed: Iterable[int]) -> None:
+        """Register each sequence's full blocks among its first ``computed`` tokens
+        (paired in order) in the prefix cache, those not registered yet. One call for a
+        whole step: a decode step registers a block for every ``block_size``-th row."""
         bs = self.block_size
-        nfull = computed // bs
-        i0 = seq.num_registered
-        if nfull <= i0:
-            return
-        hashes = seq.block_hashes  # len(hashes) >= num_registered always
-        slot = seq.slot
+        pool = self.pool
         block = self._block_id
-        register = self.pool.register
+        register_after = pool.register_after
+        for seq, n in zip(seqs, computed):
+            nfull = n // bs
+            i0 = seq.num_registered
+            if nfull <= i0:
+                continue
+            hashes = seq.block_hashes  # len(hashes) >= num_registered always
+            if i0 and nfull == i0 + 1 and i0 == len(hashes):
+                # A decode step filled the block after the chain's registered ones.
+                toks = tuple(seq.token_slice(i0 * bs, nfull * bs))
+                h = chain_hash(hashes[-1], toks)
+                tail, gen = register_after(seq.chain_tail, seq.chain_gen, hashes[-1],
+                                           block(seq.slot, i0), h, toks)
+                if tail >= 0:
+                    hashes.append(h)
+                    seq.num_registered = nfull
+                    seq.chain_tail, seq.chain_gen = tail, gen
+                    continue
+            self._register_one(seq, nfull)
+
+    def _register_one(self, seq: Sequence, nfull: int) -> None:
+        """``register`` of blocks ``num_registered..nfull-1`` of one sequence, finding
+        where its chain stands first."""
+        bs = self.block_size
+        pool = self.pool
+        block = self._block_id
+        i0 = seq.num_registered
+        hashes = seq.block_hashes
+        slot = seq.slot
         # Where the chain stands: the cached copy of the last block registered (another
         # sequence's when it took the hash first), so that lookups reach what follows.
-        parent = -1 if not i0 else self.pool.chain_block(
+        parent = -1 if not i0 else pool.chain_block(
             hashes[i0 - 1], tuple(seq.token_slice((i0 - 1) * bs, i0 * bs)), block(slot, i0 - 1))
         for i in range(i0, nfull):
             toks = tuple(seq.token_slice(i * bs, (i + 1) * bs))
@@ -187,8 +243,10 @@ class KVCache:
             else:
                 h = chain_hash(hashes[i - 1] if i else ROOT_HASH, toks)
                 hashes.append(h)
-            parent = register(block(slot, i), h, toks, parent)
+            parent = pool.register(block(slot, i), h, toks, parent)
         seq.num_registered = nfull
+        seq.chain_tail = parent
+        seq.chain_gen = pool.generation(parent)
 
     # ------------------------------------------------------------------ checks
     def check(self, seqs: list[Sequence]) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from deepinfer_scheduler.batch import LaunchBatch
+from deepinfer_scheduler.running_rows import RunningRows
 from deepinfer_scheduler.sequence import Sequence
 
 # Shared by every step without copies or new sequences: no allocation on the hot path
@@ -52,10 +52,12 @@ class SchedulerOutputs:
                        when none. Both are the step's own (not borrowed), so the engine
                        starts their samples without reading the launch tensors back
     batch              LaunchBatch (see ``scheduler.batch``)
-    slots              int64 [B] state slots of ``seqs`` (for ``update()``)
-    owners             int64 [B] seq id holding each of ``slots`` when the step was built:
-                       ``update()`` sends rows whose slot changed hands since (the
-                       sequence ended or was preempted) through the per-sequence path
+    rows               decode step: the ``RunningRows`` of ``seqs`` (slots, their owners
+                       when the step was built, ...) for ``update()``; None otherwise
+    unbinds            ``StateManager.num_unbinds`` when the step was built: if it is
+                       unchanged at ``update()``, no row's slot changed hands (else the
+                       rows whose sequence ended or was preempted take the per-sequence
+                       path)
     step               the ``schedule()`` count when it was built: ``update()`` takes
                        steps in order, each once
     """
@@ -72,16 +74,15 @@ class SchedulerOutputs:
     admitted: tuple[Sequence, ...] = ()
     forked: tuple[Sequence, ...] = ()
     # Bookkeeping for update().
-    slots: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
-    owners: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    rows: RunningRows | None = field(default=None, repr=False)
+    unbinds: int = field(default=0, repr=False)
     step: int = field(default=0, repr=False)
 
     @classmethod
     def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
-              batch: LaunchBatch, slots: np.ndarray, *, clone_blocks: list[int],
-              zero_states: list[int], clone_states: list[int],
-              admitted: list[Sequence], forked: list[Sequence], owners: np.ndarray,
-              step: int) -> SchedulerOutputs:
+              batch: LaunchBatch, *, clone_blocks: list[int], zero_states: list[int],
+              clone_states: list[int], admitted: list[Sequence], forked: list[Sequence],
+              rows: RunningRows | None, unbinds: int, step: int) -> SchedulerOutputs:
         """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
         ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors; ``admitted`` /
         ``forked`` are copied into tuples (most steps have none: ``()``, no allocation)."""
@@ -93,7 +94,7 @@ class SchedulerOutputs:
                          else _EMPTY),
             clone_states=_pairs(clone_states),
             batch=batch, admitted=tuple(admitted), forked=tuple(forked),
-            slots=slots, owners=owners, step=step,
+            rows=rows, unbinds=unbinds, step=step,
         )
 
     @property

@@ -3,7 +3,7 @@ and by request (with the union of their stop tokens, for the vectorized stop che
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import KeysView
 
 from deepinfer_scheduler.config import EngineType, SchedulerConfig
 from deepinfer_scheduler.sequence import Sequence
@@ -80,7 +80,6 @@ class SequenceRegistry:
         self.requests: dict[str, list[Sequence]] = {}
         self._next_id = 0
         self._stop_refs: dict[int, int] = {}  # stop token -> live sequences using it
-        self._stop_union: np.ndarray | None = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -100,8 +99,6 @@ class SequenceRegistry:
         for t in seq.stop_token_ids:
             n = self._stop_refs.get(t, 0)
             self._stop_refs[t] = n + 1
-            if n == 0:
-                self._stop_union = None
 
     def remove(self, seq: Sequence) -> None:
         del self.seqs[seq.seq_id]
@@ -115,11 +112,8 @@ class SequenceRegistry:
                 self._stop_refs[t] = n
             else:
                 del self._stop_refs[t]
-                self._stop_union = None
 
-    def stop_ids(self) -> np.ndarray:
-        """int64 [K]: every stop token of a live sequence (rebuilt only when it changed)."""
-        if self._stop_union is None:
-            self._stop_union = np.fromiter(self._stop_refs, dtype=np.int64,
-                                           count=len(self._stop_refs))
-        return self._stop_union
+    def stop_set(self) -> KeysView[int]:
+        """Every stop token of a live sequence (a live view: kept up to date by ``add``
+        and ``remove``)."""
+        return self._stop_refs.keys()

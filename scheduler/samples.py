@@ -8,6 +8,7 @@ batch, then Python work only for sequences at a block boundary or a stop candida
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from deepinfer_scheduler.kv_cache import KVCache
 from deepinfer_scheduler.registry import SequenceRegistry
+from deepinfer_scheduler.running_rows import RunningRows
 from deepinfer_scheduler.sequence import Sequence, SequenceStatus
 from deepinfer_scheduler.state_manager import StateManager
 
@@ -57,10 +59,8 @@ class SampleApplier:
         prompts too), then append ``tokens`` to ``sample_seqs``. Returns the finished."""
         self.dropped = []
         if self._caching:
-            register = self._kv.register
-            for seq in seqs:
-                if seq.status is not _FINISHED:
-                    register(seq, seq.num_computed)
+            live = [seq for seq in seqs if seq.status is not _FINISHED]
+            self._kv.register(live, [seq.num_computed for seq in live])
         return self._each(sample_seqs, tokens)
 
     def _each(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
@@ -84,38 +84,41 @@ class SampleApplier:
                 finished.append(seq)
         return finished
 
-    def decode(self, seqs: list[Sequence], slots: np.ndarray, owners: np.ndarray,
-               tokens: list[int]) -> list[Sequence]:
-        """Vectorized decode path: row i is ``seqs[i]`` in state slot ``slots[i]`` (int64
-        [B]), held by seq id ``owners[i]`` when the step was scheduled; it gets
-        ``tokens[i]``. Rows whose slot changed hands since go through ``_each``."""
+    def decode(self, rows: RunningRows, tokens: list[int], *, moved: bool = True,
+               settled: bool = False) -> list[Sequence]:
+        """Vectorized decode path: row i of ``rows`` gets ``tokens[i]``. ``moved``: some
+        row's slot may have changed hands since the step was scheduled (those rows go
+        through ``_each``); ``settled``: no later step is in flight
+        (``StateManager.land``)."""
         self.dropped = []
         states = self._states
-        toks = np.asarray(tokens, dtype=np.int64)
-        moved = states.owner[slots] != owners
         finished: list[Sequence] = []
-        if moved.any():
-            gone = np.flatnonzero(moved).tolist()
-            finished = self._each([seqs[i] for i in gone], [tokens[i] for i in gone])
-            keep = np.flatnonzero(~moved)
-            seqs = [seqs[i] for i in keep.tolist()]
-            slots, toks = slots[keep], toks[keep]
-            tokens = toks.tolist()
-        newlen = states.land(slots, toks)
-        for seq, t in zip(seqs, tokens):
-            seq.output_token_ids.append(t)
+        if moved:
+            gone = (states.owner[rows.slots] != rows.owners).nonzero()[0].tolist()
+            if gone:
+                seqs = rows.seqs
+                finished = self._each([seqs[i] for i in gone], [tokens[i] for i in gone])
+                keep = sorted(set(range(len(seqs))).difference(gone))
+                if not keep:
+                    return finished
+                rows, tokens = rows.take(keep), [tokens[i] for i in keep]
+        newlen = states.land(rows.slots, tokens, settled)
+        # One C-level loop over the rows' output lists.
+        deque(map(list.append, rows.outputs, tokens), 0)
+        seqs = rows.seqs
         if self._caching:
-            register = self._kv.register
-            for i in np.flatnonzero((newlen - 1) % self._kv.block_size == 0).tolist():
-                register(seqs[i], int(newlen[i]) - 1)
-        done = np.flatnonzero(newlen >= states.max_len[slots])
-        union = self._registry.stop_ids()
-        if union.size:
-            # One stop id (the usual EOS): a comparison, a fraction of isin's sort.
-            cand = np.flatnonzero(toks == union[0] if union.size == 1 else np.isin(toks, union))
-            if cand.size:
-                done = np.union1d(done, cand)
-        for i in done.tolist():
+            # Rows whose step filled a block (it is computed once the token lands).
+            filled = ((newlen - 1) % self._kv.block_size == 0).nonzero()[0].tolist()
+            if filled:
+                self._kv.register([seqs[i] for i in filled],
+                                  [int(newlen[i]) - 1 for i in filled])
+        ends = (newlen >= rows.max_len).nonzero()[0].tolist()
+        stops = self._registry.stop_set()
+        # A C-level scan of the ids first: most steps sample no stop token.
+        if stops and (next(iter(stops)) in tokens if len(stops) == 1
+                      else not stops.isdisjoint(tokens)):
+            ends = sorted(set(ends).union(i for i, t in enumerate(tokens) if t in stops))
+        for i in ends:
             seq = seqs[i]
             reason = seq.stop_reason(tokens[i])
             if reason is not None:

@@ -31,6 +31,7 @@ from deepinfer_scheduler.invariants import check_scheduler
 from deepinfer_scheduler.kv_cache import KVCache
 from deepinfer_scheduler.outputs import SchedulerOutputs, SchedulerStats
 from deepinfer_scheduler.registry import SequenceRegistry, validate_request
+from deepinfer_scheduler.running_rows import RunningRows
 from deepinfer_scheduler.samples import SampleApplier, token_list
 from deepinfer_scheduler.sequence import Sequence, SequenceStatus
 from deepinfer_scheduler.state_manager import StateManager
@@ -77,9 +78,11 @@ class Scheduler:
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._run_slots: np.ndarray | None = None  # cached slots of `running` (None: stale)
+        # The decode rows of `running` (None: stale; reset wherever `running` changes).
+        self._run_rows: RunningRows | None = None
         self._partial: Sequence | None = None  # prompt cut by chunked prefill, if any
 
+        self._empty_prompt = functools.partial(self._empty, True)
         self.decode_step = 0
         self.stats = SchedulerStats()
         self._step = 0
@@ -180,12 +183,12 @@ class Scheduler:
         """``(slots, blocks)`` still available to ``add_prefilled`` (``Handoffs.capacity``:
         blocks running sequences may still claim are held back, so no preemption)."""
         with self._lock:
-            return self._handoffs.capacity(self._running_slots())
+            return self._handoffs.capacity(self._running_rows().slots)
 
     def can_accept(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether ``add_prefilled`` of such a sequence would succeed now (credits)."""
         with self._lock:
-            return self._handoffs.can_accept(self._running_slots(), prompt_len, max_tokens)
+            return self._handoffs.can_accept(self._running_rows().slots, prompt_len, max_tokens)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
                       output_token_ids: list[int], max_tokens: int, *,
@@ -206,7 +209,7 @@ class Scheduler:
             seq = self._handoffs.admit(request_id, prompt, outs, max_tokens,
                                        stop_token_ids, min_tokens)
             self.running.append(seq)
-            self._run_slots = None
+            self._run_rows = None
             return seq
 
     # ================================================================== schedule
@@ -228,7 +231,7 @@ class Scheduler:
             out = choose_step(self.config, self.decode_step, self.voter,
                               want=self._wants_prefill, prefill=self._schedule_prefill,
                               decode=self._schedule_decode,
-                              empty_prompt=functools.partial(self._empty, True))
+                              empty_prompt=self._empty_prompt)
             if out.is_prompt:
                 self.decode_step = 0
                 self.stats.num_prompt_steps += 1
@@ -276,12 +279,12 @@ class Scheduler:
                     self.running.append(child)
                     sample_seqs.append(child)
                     sample_rows.append(i)
-        self._run_slots = None
+        self._run_rows = None
         sample_slots = [s.slot for s in sample_seqs]
         batch = self._batches.prefill(sched, slots, sample_rows, sample_slots)
         if sample_slots:
             self.state_manager.advance(np.array(sample_slots, dtype=np.int64))
-        return self._outputs(True, seqs, sample_seqs, batch, slots)
+        return self._outputs(True, seqs, sample_seqs, batch, None)
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> SchedulerOutputs:
@@ -291,33 +294,32 @@ class Scheduler:
             return self._empty(False)
         kv = self.kv_cache
         states = self.state_manager
-        seqs = self.running
-        slots = self._running_slots()
-        ntok = states.num_tokens[slots]
-        full = ntok >= states.max_len[slots]
+        rows = self._running_rows()
+        ntok = states.num_tokens[rows.slots]
+        full = ntok >= rows.max_len
         ending: list[Sequence] = []
-        if full.any():
+        if np.count_nonzero(full):
             # Their last token is still in flight and ends them (length): no step more.
-            ending = [seqs[i] for i in np.flatnonzero(full).tolist()]
-            seqs = [seqs[i] for i in np.flatnonzero(~full).tolist()]
-            slots, ntok = slots[~full], ntok[~full]
-            if not seqs:
+            ending = [rows.seqs[i] for i in full.nonzero()[0].tolist()]
+            keep = (~full).nonzero()[0]
+            if not keep.shape[0]:
                 return self._empty(False)
-        else:
-            seqs = list(seqs)
-        pos = ntok - 1
-        bidx, tgt, todo = kv.decode_targets(slots, pos)
-        if todo.size:  # rows that need a new block or a copy-on-write first
-            nb = self._reserve_decode(seqs, todo.tolist(), ending)
+            rows, ntok = rows.take(keep.tolist()), ntok[keep]
+        bidx = (ntok - 1) // self.block_size
+        todo = kv.decode_todo(rows.slots, bidx)
+        # Rows that need a new block or a copy-on-write first: all at once when the
+        # pool has the blocks and none is shared, else row by row (may preempt).
+        if todo and not kv.grow(rows.slots, todo):
+            nb = self._reserve_decode(rows.seqs, todo, ending)
             if nb == 0:
                 return self._empty(False)
-            if nb < slots.shape[0]:
-                del seqs[nb:]
-                slots, pos, bidx = slots[:nb], pos[:nb], bidx[:nb]
-            tgt = kv.tables[slots, bidx]
-        batch = self._batches.decode(slots, pos, tgt, states.last_token)
-        states.advance(slots)
-        return self._outputs(False, seqs, seqs, batch, slots)
+            if nb < len(rows):
+                rows, ntok, bidx = rows.head(nb), ntok[:nb], bidx[:nb]
+        slots = rows.slots
+        batch = self._batches.decode(slots, ntok, kv.block_ids(slots, bidx),
+                                     states.last_token, rows)
+        states.advance(slots, settled=len(self._unapplied) == 1)
+        return self._outputs(False, rows.seqs, rows.seqs, batch, rows)
 
     def _reserve_decode(self, seqs: list[Sequence], todo: list[int],
                         ending: list[Sequence]) -> int:
@@ -346,7 +348,7 @@ class Scheduler:
                     break
         if preempted:
             self.running = [s for s in self.running if s.status is _RUNNING]
-            self._run_slots = None
+            self._run_rows = None
         return end
 
     def _preempt(self, seq: Sequence) -> None:
@@ -377,14 +379,20 @@ class Scheduler:
             self._unapplied.popleft()
             if out.is_prompt:
                 finished = self._samples.prompt(out.seqs, out.sample_seqs, tl)
+            elif out.rows is None:  # an empty decode step
+                finished = []
             else:
-                finished = self._samples.decode(out.seqs, out.slots, out.owners, tl)
+                # Rows cannot have changed hands while no slot was unbound since; no
+                # later step in flight: each row had exactly this token pending.
+                finished = self._samples.decode(
+                    out.rows, tl, moved=out.unbinds != self.state_manager.num_unbinds,
+                    settled=not self._unapplied)
             handed = (out.is_prompt and self.config.engine_type is EngineType.PROMPT
                       # A PROMPT engine never decodes: hand off what would start decoding.
                       and self._handoffs.export(out.sample_seqs))
             if finished or handed:
                 self.running = [s for s in self.running if s.status is _RUNNING]
-                self._run_slots = None
+                self._run_rows = None
             return finished
 
     @property
@@ -401,7 +409,7 @@ class Scheduler:
         if seq.status is _RUNNING:
             if not bulk:
                 self.running.remove(seq)
-                self._run_slots = None
+                self._run_rows = None
         elif seq.status is _TRANSFERRING:
             self._handoffs.discard(seq)
         else:
@@ -419,26 +427,25 @@ class Scheduler:
         self.state_manager.unbind(seq)
         seq.num_computed = 0
 
-    def _running_slots(self) -> np.ndarray:
-        """int64 [len(running)]: state slots of ``running``, in order (cached)."""
-        if self._run_slots is None or self._run_slots.shape[0] != len(self.running):
-            self._run_slots = np.fromiter((s.slot for s in self.running), dtype=np.int64,
-                                          count=len(self.running))
-        return self._run_slots
+    def _running_rows(self) -> RunningRows:
+        """The decode rows of ``running``, in order (cached until ``running`` changes)."""
+        rows = self._run_rows
+        if rows is None or len(rows) != len(self.running):
+            rows = self._run_rows = RunningRows.of(self.running, self.state_manager)
+        return rows
 
     def _outputs(self, is_prompt: bool, seqs: list[Sequence],
                  sample_seqs: list[Sequence], batch: LaunchBatch,
-                 slots: np.ndarray) -> SchedulerOutputs:
+                 rows: RunningRows | None) -> SchedulerOutputs:
         adm = self._admission
         return SchedulerOutputs.build(
-            is_prompt, seqs, sample_seqs, batch, slots,
-            clone_blocks=self.kv_cache.clone_blocks, zero_states=adm.zero_states,
-            clone_states=adm.clone_states, admitted=adm.admitted, forked=adm.forked,
-            owners=self.state_manager.owner[slots], step=self._step)
+            is_prompt, seqs, sample_seqs, batch, clone_blocks=self.kv_cache.clone_blocks,
+            zero_states=adm.zero_states, clone_states=adm.clone_states,
+            admitted=adm.admitted, forked=adm.forked, rows=rows,
+            unbinds=self.state_manager.num_unbinds, step=self._step)
 
     def _empty(self, is_prompt: bool) -> SchedulerOutputs:
-        return self._outputs(is_prompt, [], [], self._batches.empty(),
-                             np.zeros(0, dtype=np.int64))
+        return self._outputs(is_prompt, [], [], self._batches.empty(), None)
 
     # ================================================================== checks
     def check_invariants(self) -> None:

@@ -48,7 +48,7 @@ class Sequence:
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "output_token_ids",
         "status", "finish_reason", "num_cached_tokens", "stop_token_ids", "max_tokens",
         "min_tokens", "slot", "kv_cache", "block_hashes", "num_registered", "num_forks",
-        "reserved_slots", "admitted", "num_computed",
+        "reserved_slots", "admitted", "num_computed", "chain_tail", "chain_gen",
     )
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int,
@@ -70,6 +70,10 @@ class Sequence:
         self.kv_cache = kv_cache
         self.block_hashes: list[int] = []
         self.num_registered = 0
+        # The cached block its prefix chain continues from after its last registered
+        # block, and that block's generation then (``KVCache.register``'s shortcut).
+        self.chain_tail = -1
+        self.chain_gen = -1
         self.num_forks = num_forks
         self.reserved_slots: list[int] = []
         self.admitted = False
@@ -115,6 +119,8 @@ class Sequence:
         child.status = SequenceStatus.RUNNING
         child.block_hashes = list(self.block_hashes)
         child.num_registered = self.num_registered
+        child.chain_tail = self.chain_tail
+        child.chain_gen = self.chain_gen
         child.admitted = True
         child.num_cached_tokens = self.num_cached_tokens
         child.num_computed = self.num_computed

@@ -48,6 +48,8 @@ class StateManager:
         self.max_len = np.zeros(num_slots, dtype=np.int64)
         self.pending = np.zeros(num_slots, dtype=np.int64)
         self.owner = np.full(num_slots, -1, dtype=np.int64)
+        # Slots unbound so far: a step's rows cannot have changed hands while it is equal.
+        self.num_unbinds = 0
 
     @property
     def num_free(self) -> int:
@@ -102,22 +104,35 @@ class StateManager:
         if seq.slot >= 0:
             self.free(seq.slot)
             self.owner[seq.slot] = -1
+            self.num_unbinds += 1
             seq.slot = -1
         for s in seq.reserved_slots:
             self.free(s)
         seq.reserved_slots = []
 
     # ------------------------------------------------------------------ tokens
-    def advance(self, slots: np.ndarray) -> None:
+    def advance(self, slots: np.ndarray, settled: bool = False) -> None:
         """A step samples one token for each of ``slots`` (int64 [S], distinct): count it
-        now; its id is unknown until ``land``."""
+        now; its id is unknown until ``land``. ``settled``: no other step is in flight,
+        so none of these slots has a token pending (one write instead of an add)."""
         self.num_tokens[slots] += 1
-        self.pending[slots] += 1
+        if settled:
+            self.pending[slots] = 1
+        else:
+            self.pending[slots] += 1
         self.last_token[slots] = PLACEHOLDER
 
-    def land(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """The sampled ``tokens`` (int64 [S]) of ``slots`` arrived. Returns the holders'
-        lengths with them (int64 [S]; tokens of a later step still in flight excluded)."""
+    def land(self, slots: np.ndarray, tokens: np.ndarray | list[int], settled: bool = False
+             ) -> np.ndarray:
+        """The sampled ``tokens`` (int64 [S], or a list of S ints) of ``slots``
+        arrived. Returns the holders' lengths with them (int64 [S]; tokens of a later
+        step still in flight excluded). ``settled``: no later step is in flight, so each
+        slot had exactly this token pending."""
+        if settled:
+            self.pending[slots] = 0
+            self.last_token[slots] = tokens
+            return self.num_tokens[slots]
+        tokens = np.asarray(tokens, dtype=np.int64)
         pend = self.pending[slots] - 1
         self.pending[slots] = pend
         last = pend == 0
