@@ -206,24 +206,22 @@ class BatchBuilder:
             buf.sample_state_slots_np[:ns] = sample_slots
         return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
 
-    def decode(self, slots: np.ndarray, ntok: np.ndarray, tgt: np.ndarray,
-               last_token: np.ndarray, rows: object) -> LaunchBatch:
+    def decode(self, slots: np.ndarray, ntok: np.ndarray, slot_mapping: np.ndarray,
+               max_len: int, last_token: np.ndarray, rows: object) -> LaunchBatch:
         """Decode step, one token per sequence: ``slots`` (int64 [B]) their state slots,
         ``ntok`` (int64 [B]) their lengths with the token each feeds (which it writes at
-        position ``ntok - 1``), ``tgt`` (int32 [B]) the block that position falls in,
-        ``last_token`` (int64 [num_slots]) the input token by slot. ``rows``: the object
-        the rows come from (``RunningRows``); a buffer that last held a step of the same
-        object keeps the fields that depend only on the rows (query starts, logits rows,
-        state slots) instead of writing them again."""
+        position ``ntok - 1``), ``slot_mapping`` (int64 [B]) the KV slot of that
+        position, ``max_len`` the longest of ``ntok``, ``last_token`` (int64
+        [num_slots]) the input token by slot. ``rows``: the object the rows come from
+        (``RunningRows``); a buffer that last held a step of the same object keeps the
+        fields that depend only on the rows (query starts, logits rows, state slots)
+        instead of writing them again."""
         bs = self._kv.block_size
         nb = slots.shape[0]
         buf = self._next()
         buf.input_ids_np[:nb] = last_token[slots]
-        pos = buf.positions_np[:nb]
-        np.subtract(ntok, 1, out=pos)
-        sm = buf.slot_mapping_np[:nb]
-        np.multiply(tgt, bs, out=sm)
-        sm += pos % bs
+        np.subtract(ntok, 1, out=buf.positions_np[:nb])
+        buf.slot_mapping_np[:nb] = slot_mapping
         buf.seq_lens_np[:nb] = ntok
         if buf.rows is not rows:
             arange = self._arange
@@ -232,7 +230,6 @@ class BatchBuilder:
             buf.state_slots_np[:nb] = slots
             buf.sample_state_slots_np[:nb] = slots
             buf.rows = rows
-        max_len = int(ntok.max())
         # Blocks up to the longest length: a row never holds blocks past its length.
         w = -(-max_len // bs)
         self._block_tables(buf, slots, w)

@@ -131,22 +131,30 @@ class KVCache:
                 i for i, s in enumerate(slots.tolist()) if s in shared))
         return todo
 
-    def grow(self, slots: np.ndarray, rows: list[int]) -> bool:
+    def grow(self, slots: np.ndarray, rows: list[int]) -> list[int] | None:
         """Append one fresh block to the rows ``rows`` (from ``decode_todo``) of
         ``slots`` (int64 [B]) when that is all they need: no row may share its block
-        and the pool has a block for each. False, with nothing changed, otherwise
-        (``make_writable`` row by row then)."""
+        and the pool has a block for each. Returns the new blocks, in row order; None,
+        with nothing changed, otherwise (``make_writable`` row by row then)."""
         if self.shared_tail or len(rows) > self.pool.num_free:
-            return False
+            return None
         s = slots[rows]
         n = self.nblocks[s]
-        self.tables[s, n] = self.pool.allocate_many(len(rows))
+        blocks = self.pool.allocate_many(len(rows))
+        self.tables[s, n] = blocks
         self.nblocks[s] = n + 1
-        return True
+        return blocks
 
-    def block_ids(self, slots: np.ndarray, bidx: np.ndarray) -> np.ndarray:
-        """int32 [B]: the block at index ``bidx[i]`` of slot ``slots[i]``'s row."""
-        return self.tables[slots, bidx]
+    def slot_mapping(self, slots: np.ndarray, bidx: np.ndarray,
+                     offset: np.ndarray) -> np.ndarray:
+        """int64 [B]: the KV slot of in-block offset ``offset[i]`` of block index
+        ``bidx[i]`` of slot ``slots[i]``'s row (all int64 [B])."""
+        return self.tables[slots, bidx] * np.int64(self.block_size) + offset
+
+    def holds_exactly(self, slots: np.ndarray, bidx: np.ndarray) -> bool:
+        """Whether each row of ``slots`` holds exactly the blocks up to index ``bidx``
+        (no block allocated ahead): what ``DecodeCursor`` relies on."""
+        return bool((self.nblocks[slots] == bidx + 1).all())
 
     def make_writable(self, slot: int, pos: int) -> bool:
         """Make the block that position ``pos`` of the slot's holder falls in exist and

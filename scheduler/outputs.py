@@ -58,6 +58,9 @@ class SchedulerOutputs:
                        unchanged at ``update()``, no row's slot changed hands (else the
                        rows whose sequence ended or was preempted take the per-sequence
                        path)
+    filled / may_end   decode step: the rows whose block the step's token fills (None:
+                       found from the lengths in ``update()``), and whether a row may
+                       reach its length limit with it
     step               the ``schedule()`` count when it was built: ``update()`` takes
                        steps in order, each once
     """
@@ -76,13 +79,16 @@ class SchedulerOutputs:
     # Bookkeeping for update().
     rows: RunningRows | None = field(default=None, repr=False)
     unbinds: int = field(default=0, repr=False)
+    filled: list[int] | None = field(default=None, repr=False)
+    may_end: bool = field(default=True, repr=False)
     step: int = field(default=0, repr=False)
 
     @classmethod
     def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
               batch: LaunchBatch, *, clone_blocks: list[int], zero_states: list[int],
               clone_states: list[int], admitted: list[Sequence], forked: list[Sequence],
-              rows: RunningRows | None, unbinds: int, step: int) -> SchedulerOutputs:
+              rows: RunningRows | None, unbinds: int, step: int,
+              filled: list[int] | None = None, may_end: bool = True) -> SchedulerOutputs:
         """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
         ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors; ``admitted`` /
         ``forked`` are copied into tuples (most steps have none: ``()``, no allocation)."""
@@ -94,7 +100,7 @@ class SchedulerOutputs:
                          else _EMPTY),
             clone_states=_pairs(clone_states),
             batch=batch, admitted=tuple(admitted), forked=tuple(forked),
-            rows=rows, unbinds=unbinds, step=step,
+            rows=rows, unbinds=unbinds, step=step, filled=filled, may_end=may_end,
         )
 
     @property

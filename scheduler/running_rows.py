@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from deepinfer_scheduler.decode_cursor import DecodeCursor
 from deepinfer_scheduler.sequence import Sequence
 from deepinfer_scheduler.state_manager import StateManager
 
@@ -25,9 +26,13 @@ class RunningRows:
     owners    int64 [B]  seq id holding each slot when built (``StateManager.owner``)
     max_len   int64 [B]  length limit of each row (``StateManager.max_len``)
     outputs   list[list[int]]  each row's ``output_token_ids`` (appended to in place)
+
+    Two fields change, for the scheduler's decode path: ``decode_steps`` (general-path
+    decode steps over exactly these rows) and ``cursor`` (a ``DecodeCursor`` for the
+    next step, or None).
     """
 
-    __slots__ = ("seqs", "slots", "owners", "max_len", "outputs")
+    __slots__ = ("seqs", "slots", "owners", "max_len", "outputs", "decode_steps", "cursor")
 
     def __init__(self, seqs: list[Sequence], slots: np.ndarray, owners: np.ndarray,
                  max_len: np.ndarray, outputs: list[list[int]]) -> None:
@@ -36,6 +41,8 @@ class RunningRows:
         self.owners = owners
         self.max_len = max_len
         self.outputs = outputs
+        self.decode_steps = 0
+        self.cursor: DecodeCursor | None = None
 
     @classmethod
     def of(cls, seqs: list[Sequence], states: StateManager) -> RunningRows:

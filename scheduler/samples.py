@@ -85,11 +85,14 @@ class SampleApplier:
         return finished
 
     def decode(self, rows: RunningRows, tokens: list[int], *, moved: bool = True,
-               settled: bool = False) -> list[Sequence]:
+               settled: bool = False, filled: list[int] | None = None,
+               may_end: bool = True) -> list[Sequence]:
         """Vectorized decode path: row i of ``rows`` gets ``tokens[i]``. ``moved``: some
         row's slot may have changed hands since the step was scheduled (those rows go
         through ``_each``); ``settled``: no later step is in flight
-        (``StateManager.land``)."""
+        (``StateManager.land``); ``filled``: the rows whose block the token fills (None:
+        found from the new lengths); ``may_end``: False when no row can reach its length
+        limit with this token."""
         self.dropped = []
         states = self._states
         finished: list[Sequence] = []
@@ -102,17 +105,18 @@ class SampleApplier:
                 if not keep:
                     return finished
                 rows, tokens = rows.take(keep), [tokens[i] for i in keep]
+                filled, may_end = None, True  # row indices moved
         newlen = states.land(rows.slots, tokens, settled)
         # One C-level loop over the rows' output lists.
         deque(map(list.append, rows.outputs, tokens), 0)
         seqs = rows.seqs
         if self._caching:
-            # Rows whose step filled a block (it is computed once the token lands).
-            filled = ((newlen - 1) % self._kv.block_size == 0).nonzero()[0].tolist()
+            if filled is None:  # rows whose block is full and computed once it lands
+                filled = ((newlen - 1) % self._kv.block_size == 0).nonzero()[0].tolist()
             if filled:
                 self._kv.register([seqs[i] for i in filled],
                                   [int(newlen[i]) - 1 for i in filled])
-        ends = (newlen >= rows.max_len).nonzero()[0].tolist()
+        ends = (newlen >= rows.max_len).nonzero()[0].tolist() if may_end else []
         stops = self._registry.stop_set()
         # A C-level scan of the ids first: most steps sample no stop token.
         if stops and (next(iter(stops)) in tokens if len(stops) == 1

@@ -25,6 +25,7 @@ from deepinfer_scheduler.admission import Admission
 from deepinfer_scheduler.batch import BatchBuilder, LaunchBatch
 from deepinfer_scheduler.block_manager import BlockPool
 from deepinfer_scheduler.config import EngineType, SchedulerConfig
+from deepinfer_scheduler.decode_cursor import DecodeCursor, DecodeStep
 from deepinfer_scheduler.dp import DPVoter
 from deepinfer_scheduler.handoff import Handoffs
 from deepinfer_scheduler.invariants import check_scheduler
@@ -289,13 +290,26 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> SchedulerOutputs:
         """One token for every running sequence; preempts the most recently admitted
-        ones when a sequence cannot get the block it writes into."""
+        ones when a sequence cannot get the block it writes into. A steady step (the
+        same rows as the last one, see ``decode_cursor``) is derived from the last."""
         if not self.running:
             return self._empty(False)
-        kv = self.kv_cache
-        states = self.state_manager
         rows = self._running_rows()
-        ntok = states.num_tokens[rows.slots]
+        ntok = self.state_manager.num_tokens[rows.slots]
+        cursor = rows.cursor
+        if cursor is not None:
+            step = cursor.step(int(ntok[0]), rows.slots, self.kv_cache)
+            if step is not None:
+                return self._decode_batch(rows, ntok, step)
+            rows.cursor = None
+        return self._schedule_decode_rows(rows, ntok)
+
+    def _schedule_decode_rows(self, rows: RunningRows, ntok: np.ndarray) -> SchedulerOutputs:
+        """The general decode step over ``rows`` (every running sequence) of lengths
+        ``ntok`` (int64 [B], the fed token counted)."""
+        kv = self.kv_cache
+        bs = self.block_size
+        whole = rows
         full = ntok >= rows.max_len
         ending: list[Sequence] = []
         if np.count_nonzero(full):
@@ -305,21 +319,39 @@ class Scheduler:
             if not keep.shape[0]:
                 return self._empty(False)
             rows, ntok = rows.take(keep.tolist()), ntok[keep]
-        bidx = (ntok - 1) // self.block_size
+        pos = ntok - 1
+        bidx = pos // bs
         todo = kv.decode_todo(rows.slots, bidx)
         # Rows that need a new block or a copy-on-write first: all at once when the
         # pool has the blocks and none is shared, else row by row (may preempt).
-        if todo and not kv.grow(rows.slots, todo):
+        if todo and kv.grow(rows.slots, todo) is None:
             nb = self._reserve_decode(rows.seqs, todo, ending)
             if nb == 0:
                 return self._empty(False)
             if nb < len(rows):
-                rows, ntok, bidx = rows.head(nb), ntok[:nb], bidx[:nb]
+                rows, ntok, pos, bidx = rows.head(nb), ntok[:nb], pos[:nb], bidx[:nb]
         slots = rows.slots
-        batch = self._batches.decode(slots, ntok, kv.block_ids(slots, bidx),
+        offset = pos - bidx * bs
+        step = DecodeStep(kv.slot_mapping(slots, bidx, offset), int(ntok.max()),
+                          (offset == bs - 1).nonzero()[0].tolist(), True)
+        if rows is whole and not kv.shared_tail:
+            # From the second step over the same rows on, the next steps are derived.
+            if rows.decode_steps and kv.holds_exactly(slots, bidx):
+                rows.cursor = DecodeCursor(bs, ntok, rows.max_len, offset,
+                                           step.slot_mapping)
+            rows.decode_steps += 1
+        return self._decode_batch(rows, ntok, step)
+
+    def _decode_batch(self, rows: RunningRows, ntok: np.ndarray,
+                      step: DecodeStep) -> SchedulerOutputs:
+        """The launch batch and outputs of a decode step over ``rows``; counts the
+        token each samples."""
+        slots = rows.slots
+        states = self.state_manager
+        batch = self._batches.decode(slots, ntok, step.slot_mapping, step.max_len,
                                      states.last_token, rows)
         states.advance(slots, settled=len(self._unapplied) == 1)
-        return self._outputs(False, rows.seqs, rows.seqs, batch, rows)
+        return self._outputs(False, rows.seqs, rows.seqs, batch, rows, step)
 
     def _reserve_decode(self, seqs: list[Sequence], todo: list[int],
                         ending: list[Sequence]) -> int:
@@ -386,7 +418,7 @@ class Scheduler:
                 # later step in flight: each row had exactly this token pending.
                 finished = self._samples.decode(
                     out.rows, tl, moved=out.unbinds != self.state_manager.num_unbinds,
-                    settled=not self._unapplied)
+                    settled=not self._unapplied, filled=out.filled, may_end=out.may_end)
             handed = (out.is_prompt and self.config.engine_type is EngineType.PROMPT
                       # A PROMPT engine never decodes: hand off what would start decoding.
                       and self._handoffs.export(out.sample_seqs))
@@ -436,13 +468,16 @@ class Scheduler:
 
     def _outputs(self, is_prompt: bool, seqs: list[Sequence],
                  sample_seqs: list[Sequence], batch: LaunchBatch,
-                 rows: RunningRows | None) -> SchedulerOutputs:
+                 rows: RunningRows | None, step: DecodeStep | None = None
+                 ) -> SchedulerOutputs:
         adm = self._admission
         return SchedulerOutputs.build(
             is_prompt, seqs, sample_seqs, batch, clone_blocks=self.kv_cache.clone_blocks,
             zero_states=adm.zero_states, clone_states=adm.clone_states,
             admitted=adm.admitted, forked=adm.forked, rows=rows,
-            unbinds=self.state_manager.num_unbinds, step=self._step)
+            unbinds=self.state_manager.num_unbinds, step=self._step,
+            filled=None if step is None else step.filled,
+            may_end=True if step is None else step.may_end)
 
     def _empty(self, is_prompt: bool) -> SchedulerOutputs:
         return self._outputs(is_prompt, [], [], self._batches.empty(), None)

@@ -31,7 +31,8 @@ class FakeRunner:
     - every scheduled sequence reads back, through its block table, exactly its tokens
       ``0..seq_len-1`` (prefix-cache hits, chunks, forks and COW copies included);
     - every sample's state slot holds exactly that sequence's tokens;
-    - decode rows feed each sequence's last token at its last position.
+    - decode rows feed each sequence's last token at its last position, and never one
+      whose sample would exceed the sequence's length limit.
 
     Placeholder input ids (a token still in flight) are resolved from the runner's own
     ``last_sampled`` by state slot, as the device does; the checks then compare against
@@ -98,6 +99,9 @@ class FakeRunner:
             assert got.tolist() == toks[:n], f"seq {seq.seq_id}: KV mismatch"
             if not out.is_prompt:
                 assert n == len(toks) and ids[i] == toks[-1]
+                # A row never samples past its length limit (its last token is in flight).
+                assert n < len(seq.prompt_token_ids) + seq.max_tokens, \
+                    f"seq {seq.seq_id}: decoded at its length limit"
         li = b.logits_indices.tolist()
         sample_slots = b.sample_state_slots.tolist()
         for k, seq in enumerate(out.sample_seqs):
