@@ -19,6 +19,9 @@ One step of the engine::
   capacity; ``block_manager``: the ref-counted block pool and cache map
 - ``state_manager``: state slots and their per-slot host rows
 - ``batch``: launch buffers and the prompt / decode batches
+- ``decode_plan``: a decode step's rows, blocks and slot mapping; ``decode_cursor``: the
+  same derived from the last step when the rows did not change (steady decode);
+  ``running_rows``: the per-row values fixed while the running list is
 - ``samples``: applying sampled tokens (stop, length, registration)
 - ``handoff``: export / import of prefilled sequences (disaggregated prefill/decode)
 - ``registry``: request validation, live sequences by id and request

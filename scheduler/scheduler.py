@@ -25,7 +25,8 @@ from deepinfer_scheduler.admission import Admission
 from deepinfer_scheduler.batch import BatchBuilder, LaunchBatch
 from deepinfer_scheduler.block_manager import BlockPool
 from deepinfer_scheduler.config import EngineType, SchedulerConfig
-from deepinfer_scheduler.decode_cursor import DecodeCursor, DecodeStep
+from deepinfer_scheduler.decode_cursor import DecodeStep
+from deepinfer_scheduler.decode_plan import DecodePlanner
 from deepinfer_scheduler.dp import DPVoter
 from deepinfer_scheduler.handoff import Handoffs
 from deepinfer_scheduler.invariants import check_scheduler
@@ -70,6 +71,7 @@ class Scheduler:
         self._batches = BatchBuilder(self.kv_cache, max(c.max_num_batched_tokens,
                                                         c.max_num_seqs), c.max_num_seqs, pin)
         self._registry = SequenceRegistry()
+        self._decode = DecodePlanner(self.kv_cache, self.state_manager)
         self._admission = Admission(c, self.state_manager, self.kv_cache, self._registry)
         self._handoffs = Handoffs(self.state_manager, self.kv_cache, self._registry)
         # Finishing there is bulk: update() rebuilds `running` once afterwards.
@@ -289,63 +291,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> SchedulerOutputs:
-        """One token for every running sequence; preempts the most recently admitted
-        ones when a sequence cannot get the block it writes into. A steady step (the
-        same rows as the last one, see ``decode_cursor``) is derived from the last."""
+        """One token for every running sequence (``DecodePlanner``); preempts the most
+        recently admitted ones when a sequence cannot get the block it writes into."""
         if not self.running:
             return self._empty(False)
-        rows = self._running_rows()
-        ntok = self.state_manager.num_tokens[rows.slots]
-        cursor = rows.cursor
-        if cursor is not None:
-            step = cursor.step(int(ntok[0]), rows.slots, self.kv_cache)
-            if step is not None:
-                return self._decode_batch(rows, ntok, step)
-            rows.cursor = None
-        return self._schedule_decode_rows(rows, ntok)
-
-    def _schedule_decode_rows(self, rows: RunningRows, ntok: np.ndarray) -> SchedulerOutputs:
-        """The general decode step over ``rows`` (every running sequence) of lengths
-        ``ntok`` (int64 [B], the fed token counted)."""
-        kv = self.kv_cache
-        bs = self.block_size
-        whole = rows
-        full = ntok >= rows.max_len
-        ending: list[Sequence] = []
-        if np.count_nonzero(full):
-            # Their last token is still in flight and ends them (length): no step more.
-            ending = [rows.seqs[i] for i in full.nonzero()[0].tolist()]
-            keep = (~full).nonzero()[0]
-            if not keep.shape[0]:
-                return self._empty(False)
-            rows, ntok = rows.take(keep.tolist()), ntok[keep]
-        pos = ntok - 1
-        bidx = pos // bs
-        todo = kv.decode_todo(rows.slots, bidx)
-        # Rows that need a new block or a copy-on-write first: all at once when the
-        # pool has the blocks and none is shared, else row by row (may preempt).
-        if todo and kv.grow(rows.slots, todo) is None:
-            nb = self._reserve_decode(rows.seqs, todo, ending)
-            if nb == 0:
-                return self._empty(False)
-            if nb < len(rows):
-                rows, ntok, pos, bidx = rows.head(nb), ntok[:nb], pos[:nb], bidx[:nb]
-        slots = rows.slots
-        offset = pos - bidx * bs
-        step = DecodeStep(kv.slot_mapping(slots, bidx, offset), int(ntok.max()),
-                          (offset == bs - 1).nonzero()[0].tolist(), True)
-        if rows is whole and not kv.shared_tail:
-            # From the second step over the same rows on, the next steps are derived.
-            if rows.decode_steps and kv.holds_exactly(slots, bidx):
-                rows.cursor = DecodeCursor(bs, ntok, rows.max_len, offset,
-                                           step.slot_mapping)
-            rows.decode_steps += 1
-        return self._decode_batch(rows, ntok, step)
-
-    def _decode_batch(self, rows: RunningRows, ntok: np.ndarray,
-                      step: DecodeStep) -> SchedulerOutputs:
-        """The launch batch and outputs of a decode step over ``rows``; counts the
-        token each samples."""
+        plan = self._decode.plan(self._running_rows(), self._reserve_decode)
+        if plan is None:
+            return self._empty(False)
+        rows, ntok, step = plan
         slots = rows.slots
         states = self.state_manager
         batch = self._batches.decode(slots, ntok, step.slot_mapping, step.max_len,
