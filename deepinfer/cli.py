@@ -20,7 +20,7 @@ from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_
 from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.dp_job import dp_rank
-from deepinfer.jobs.formats import FORMATS, NATIVE, open_job, warn_other_models
+from deepinfer.jobs.formats import FORMATS, NATIVE, job_format, warn_other_models
 from deepinfer.jobs.one_engine import run_one_engine
 from deepinfer.jobs.pd_job import pd_job_rank
 from deepinfer.jobs.resume import check_output_format, lock_output
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--format", choices=FORMATS, default="auto",
                    help="input/output format (auto: OpenAI batch when the first line has "
                    "custom_id and body)")
+    j.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="OpenAI batch output: name logprob tokens 'token_id:<id>' instead "
+                   "of their text (vLLM's flag)")
     j.add_argument("--show", action="store_true", help="print each result when done")
     j.add_argument("--no-progress", action="store_true")
     j.add_argument("--dp", type=int, default=1,
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = engine_args_from(args)
         engine_args.validate()
         check_output_path(args.input, args.output)
-        inputs, fmt = open_job(args.input, args.format, engine_args.model)
+        inputs, fmt = job_format(args, engine_args.model)
         check_output_format(args.output, openai=fmt is not NATIVE)
         default_params = default_sampling_params(args, openai=fmt is not NATIVE)
         if fmt is not NATIVE:

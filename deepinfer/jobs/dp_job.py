@@ -34,7 +34,7 @@ from deepinfer.distributed.ranks import (
 from deepinfer.distributed.tp import RankLayout, check_layout, make_groups
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.formats import open_job
+from deepinfer.jobs.formats import job_format
 from deepinfer.jobs.input_records import InputRecord, to_requests
 from deepinfer.jobs.parts import input_order, merge_rank_parts, part_path
 from deepinfer.jobs.progress import RunProgress
@@ -93,7 +93,7 @@ def dp_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     the run's exit status (the same on every rank). Raises ``RankFailedError`` when a
     collective fails."""
     device = select_device(args.device, info.local_rank)
-    inputs, fmt = open_job(args.input, getattr(args, "format", "auto"), engine_args.model)
+    inputs, fmt = job_format(args, engine_args.model)
     return run_in_group(info, device, args.dp_timeout, _dp_body, info, args,
                         dataclasses.replace(engine_args, device=device), default_params, inputs,
                         fmt)

@@ -12,7 +12,7 @@ from deepinfer.jobs.input_records import InputRecord, read_inputs
 from deepinfer.jobs.openai_batch import OpenAIFormat, is_openai_batch, read_openai_inputs
 from deepinfer.jobs.output_records import NATIVE
 
-__all__ = ["FORMATS", "NATIVE", "model_name", "open_job", "warn_other_models"]
+__all__ = ["FORMATS", "NATIVE", "job_format", "model_name", "open_job", "warn_other_models"]
 
 FORMATS = ("auto", "native", "openai")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -26,11 +26,12 @@ def model_name(model: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-def open_job(path: str, fmt: str = "auto", model: str | None = None
-             ) -> tuple[list[InputRecord], Any]:
+def open_job(path: str, fmt: str = "auto", model: str | None = None,
+             token_ids: bool = False) -> tuple[list[InputRecord], Any]:
     """The input records of ``path`` and the output format their lines are written in
-    (``NATIVE`` or an ``OpenAIFormat``). Raises ``ValueError`` naming ``--format`` /
-    ``--input`` when the choice does not fit the file."""
+    (``NATIVE`` or an ``OpenAIFormat``; ``token_ids``: its logprob tokens as
+    ``"token_id:<id>"``). Raises ``ValueError`` naming ``--format`` / ``--input`` when
+    the choice does not fit the file."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     openai = fmt == "openai" or (fmt == "auto" and is_openai_batch(path))
@@ -39,7 +40,14 @@ def open_job(path: str, fmt: str = "auto", model: str | None = None
     if not os.path.exists(path):
         raise FileNotFoundError(f"--input {path!r}: no such file")
     records = read_openai_inputs(path)
-    return records, OpenAIFormat(records, model_name(model))
+    return records, OpenAIFormat(records, model_name(model), token_ids)
+
+
+def job_format(args: Any, model: str | None) -> tuple[list[InputRecord], Any]:
+    """``open_job`` with the CLI's parsed ``args`` (``--input``, ``--format``,
+    ``--return-tokens-as-token-ids``)."""
+    return open_job(args.input, getattr(args, "format", "auto"), model,
+                    getattr(args, "return_tokens_as_token_ids", False))
 
 
 def warn_other_models(records: list[InputRecord], path: str, model: str | None) -> None:

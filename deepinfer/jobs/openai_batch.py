@@ -13,8 +13,12 @@ line. A body field given as ``null`` is taken as absent (its default), as OpenAI
 does. ``body.model`` is not checked against the loaded model beyond a warning (as vLLM
 does): one engine serves every line.
 
-Logprobs name tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): the
-writer has no tokenizer, and ids round-trip where decoded pieces do not. A completion's
+Logprobs are OpenAI's: each token by its text and its UTF-8 ``bytes`` (its true bytes:
+a token holding part of a character shows as U+FFFD and keeps its own bytes;
+``deepinfer.token_bytes``), read from the engine's tokenizer (``use_tokenizer``); a
+completion's also give each token's ``text_offset``. With ``token_ids=True``
+(``--return-tokens-as-token-ids``, vLLM's flag) tokens are named ``"token_id:<id>"``
+instead, which round-trips where text does not. A completion's
 ``top_logprobs`` holds the top ``k`` and the sampled token (the legacy API's shape), a
 chat completion's exactly the top ``top_logprobs`` (none without it), both less the
 alternatives a grammar ruled out (logprob ``-inf``: not valid JSON, and not real
@@ -23,14 +27,17 @@ alternatives). ``k`` is at most :data:`MAX_LOGPROBS` (vLLM's default cap).
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.jobs.input_records import SAMPLING_KEYS, InputRecord, structured_overrides
 from deepinfer.jobs.resume_keys import OPENAI_ID_PREFIX, openai_success
+from deepinfer.token_bytes import TokenBytes
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).
@@ -206,11 +213,19 @@ def _messages(messages: Any) -> list[dict[str, str]]:
 
 class OpenAIFormat:
     """Output lines of the OpenAI batch format for the records of one input file.
-    ``model``: the name written in each response body."""
+    ``model``: the name written in each response body; ``token_ids``: logprob tokens as
+    ``"token_id:<id>"`` rather than text."""
 
-    def __init__(self, records: list[InputRecord], model: str) -> None:
+    def __init__(self, records: list[InputRecord], model: str,
+                 token_ids: bool = False) -> None:
         self.model = model
+        self.token_ids = token_ids
         self._records = {r.id: r for r in records}
+        self._bytes: Callable[[int], bytes] | None = None
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Read logprob tokens' text and bytes from ``tokenizer`` (the engine's)."""
+        self._bytes = TokenBytes(tokenizer)
 
     def result(self, res) -> dict[str, Any]:
         """The line of a finished request (a ``RequestOutput``): status 200, a
@@ -222,7 +237,7 @@ class OpenAIFormat:
         for o in res.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
                                       "stop_reason": o.stop_reason,
-                                      "logprobs": _logprobs(o, chat, top or 0)}
+                                      "logprobs": self._logprobs(o, chat, top or 0)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
             else:
@@ -252,27 +267,53 @@ class OpenAIFormat:
         return openai_success(line)
 
 
-def _logprobs(o, chat: bool, top_k: int) -> dict[str, Any] | None:
-    """OpenAI-shaped logprobs of one completion (tokens as ``token_id:<id>``); a chat
-    completion's ``top_logprobs`` keep the ``top_k`` most likely only."""
-    if o.logprobs is None:
-        return None
-    toks, lps, tops = [], [], []
-    for tok, d in zip(o.token_ids, o.logprobs):
-        toks.append(f"token_id:{tok}")
-        lps.append(float(d.get(tok, float("nan"))))
-        # A grammar's masked tokens can fill the top k with -inf: drop them (OpenAI lists
-        # only real alternatives, and JSON has no infinity). The sampled token's own
-        # logprob is not filtered: a non-finite one is a bug that write_record reports.
-        # Most likely first, as OpenAI lists them (the engine's dict has the sampled
-        # token first).
-        top = sorted(((f"token_id:{t}", float(lp)) for t, lp in d.items()),
-                     key=lambda kv: -kv[1])
-        tops.append({k: v for k, v in top if math.isfinite(v)})
-    if chat:
-        return {"content": [
-            {"token": t, "logprob": lp,
-             "top_logprobs": [{"token": k, "logprob": v}
-                              for k, v in list(top.items())[:top_k]]}
-            for t, lp, top in zip(toks, lps, tops)]}
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops}
+    def _logprobs(self, o, chat: bool, top_k: int) -> dict[str, Any] | None:
+        """OpenAI-shaped logprobs of one completion; a chat completion's
+        ``top_logprobs`` keep the ``top_k`` most likely only."""
+        if o.logprobs is None:
+            return None
+        if self._bytes is None:
+            raise RuntimeError("OpenAIFormat: use_tokenizer() before writing logprobs")
+        token_bytes = self._bytes
+        name = ((lambda t: f"token_id:{t}") if self.token_ids
+                else (lambda t: token_bytes(t).decode("utf-8", errors="replace")))
+        sampled, tops = [], []
+        for tok, d in zip(o.token_ids, o.logprobs):
+            sampled.append((tok, float(d.get(tok, float("nan")))))
+            # A grammar's masked tokens can fill the top k with -inf: drop them (OpenAI
+            # lists only real alternatives, and JSON has no infinity). The sampled token's
+            # own logprob is not filtered: a non-finite one is a bug that write_record
+            # reports. Most likely first, as OpenAI lists them (the engine's dict has the
+            # sampled token first).
+            tops.append(sorted(((int(t), float(lp)) for t, lp in d.items()
+                                if math.isfinite(lp)), key=lambda kv: -kv[1]))
+        if chat:
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                return {"token": name(t), "logprob": lp, "bytes": list(token_bytes(t))}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(*kv) for kv in
+                                                                   top[:top_k]]}
+                                for (t, lp), top in zip(sampled, tops)],
+                    "refusal": None}
+        # Two ids with one text share a key: the likelier stays (the list is sorted).
+        top_dicts = [{} for _ in tops]
+        for dst, top in zip(top_dicts, tops):
+            for t, lp in top:
+                dst.setdefault(name(t), lp)
+        return {"tokens": [name(t) for t, _ in sampled],
+                "token_logprobs": [lp for _, lp in sampled],
+                "top_logprobs": top_dicts,
+                "text_offset": text_offsets([token_bytes(t) for t, _ in sampled])}
+
+
+def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """The character offset at which each of ``pieces`` (the bytes of consecutive
+    tokens) starts in their decoded text, from ``start``: a piece that continues a
+    character counts from that character's start, as its bytes join it there."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets = []
+    pos = start
+    for b in pieces:
+        offsets.append(pos)
+        pos += len(decoder.decode(b))
+    return offsets

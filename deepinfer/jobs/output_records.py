@@ -76,6 +76,10 @@ class NativeFormat:
     every failed record). ``OpenAIFormat`` has the same methods."""
 
     @staticmethod
+    def use_tokenizer(tokenizer: Any) -> None:
+        """Nothing to read: native records name tokens by id."""
+
+    @staticmethod
     def result(res) -> dict[str, Any]:
         return result_record(res)
 

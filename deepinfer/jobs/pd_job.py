@@ -33,7 +33,7 @@ from deepinfer.distributed.ranks import (
     spawn_ranks,
 )
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.formats import open_job
+from deepinfer.jobs.formats import job_format
 from deepinfer.jobs.input_records import JobRequest, to_requests
 from deepinfer.jobs.output_records import NATIVE, show_result
 from deepinfer.jobs.parts import input_order, merge_outputs, merge_rank_parts, part_path
@@ -151,8 +151,7 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
     payload: list[Any] = [None]
     shown: dict[str, Any] = {}
     if rank0:
-        inputs, fmt = open_job(args.input, getattr(args, "format", "auto"),
-                               engine_args.model)
+        inputs, fmt = job_format(args, engine_args.model)
         pending = pending_records(inputs, load_resume_state(args.output, inputs, fmt.final),
                                   args.output)
         # Records that fail by themselves (bad line, sampling values, n > 1) are written

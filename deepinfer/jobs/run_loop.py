@@ -80,6 +80,7 @@ def run_requests(target: RunTarget, requests: Iterable[JobRequest], out: TextIO,
     line of ``fmt`` (``NATIVE`` or an ``OpenAIFormat``) as it finishes; ``show`` prints
     it too (``--show``), ``progress`` shows the bar. Returns this process's counters:
     a result that could not be written (``write_record``) counts as failed."""
+    fmt.use_tokenizer(target.engine.tokenizer)
     prompts, failed = submit_requests(target.admit, requests, out, fmt)
     bar = RunProgress(target.total(len(prompts)), target.bar_title, disable=not progress)
     finished = [0]  # read by the target as the loop goes (progress, DP's vote)

@@ -332,10 +332,12 @@ def test_openai_logprob_limits_and_shapes(tmp_path, model_args):
 
     for entry in content("plain"):
         assert entry["top_logprobs"] == [], entry
-        assert entry["token"].startswith("token_id:") and entry["logprob"] <= 0.0
+        assert bytes(entry["bytes"]).decode("utf-8", errors="replace") == entry["token"]
+        assert entry["logprob"] <= 0.0
     for entry in content("top2"):
         assert len(entry["top_logprobs"]) == 2, entry
-        assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+        assert all(bytes(t["bytes"]).decode("utf-8", errors="replace") == t["token"]
+                   for t in entry["top_logprobs"])
 
 
 # ----------------------------------------------------------------- 9. native logprobs

@@ -70,7 +70,10 @@ def _check_batch_output(recs: list[dict]) -> None:
     assert p1["object"] == "text_completion" and isinstance(p1["choices"][0]["text"], str)
     lp = p1["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == p1["usage"]["completion_tokens"]
-    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    # Tokens by their text (the tokenizer's), each with where it starts in the text.
+    assert all(isinstance(t, str) and not t.startswith("token_id:") for t in lp["tokens"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert len(lp["text_offset"]) == len(lp["tokens"])
     for top in lp["top_logprobs"]:  # most likely first, as OpenAI lists them
         assert list(top.values()) == sorted(top.values(), reverse=True)
         assert len(top) >= 2
@@ -78,7 +81,12 @@ def _check_batch_output(recs: list[dict]) -> None:
         values = [t["logprob"] for t in pos["top_logprobs"]]
         assert values == sorted(values, reverse=True)
     assert len(c2["choices"]) == 2 and c2["usage"]["completion_tokens"] <= 6
-    assert c2["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    for entry in c2["choices"][0]["logprobs"]["content"]:
+        for e in (entry, *entry["top_logprobs"]):
+            assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]
+    # usage counts every choice's tokens (n = 2).
+    assert c2["usage"]["completion_tokens"] == sum(
+        len(ch["logprobs"]["content"]) for ch in c2["choices"])
     errors = {r["custom_id"]: r["error"]["message"] for r in recs if r["error"] is not None}
     assert "url" in errors["bad-url"] and "/v1/embeddings" in errors["bad-url"]
     assert "line 4" in errors[None] and "malformed JSON" in errors[None]
@@ -445,3 +453,20 @@ def test_openai_line_without_max_tokens_runs_to_the_model_length(tmp_path, tiny_
     body = rec["response"]["body"]
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["total_tokens"] == 32
+
+
+def test_return_tokens_as_token_ids(tmp_path, model_args):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join([
+        _chat("c", "hello", logprobs=True, top_logprobs=2, max_tokens=3),
+        _line("p", "/v1/completions", prompt="hello", logprobs=1, max_tokens=3),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["--input", str(inp), "--output", str(out), *model_args,
+                 "--return-tokens-as-token-ids"]) == 0
+    chat, cmpl = (r["response"]["body"]["choices"][0]["logprobs"] for r in _read(out))
+    for entry in chat["content"]:
+        for e in (entry, *entry["top_logprobs"]):
+            assert e["token"].startswith("token_id:") and isinstance(e["bytes"], list)
+    assert all(t.startswith("token_id:") for t in cmpl["tokens"])
+    assert all(k.startswith("token_id:") for top in cmpl["top_logprobs"] for k in top)

@@ -18,11 +18,13 @@ from deepinfer_scheduler.outputs import SchedulerStats
 
 
 class StandInEngine:
-    """What the loop uses of an ``LLMEngine``: ``add_request``, ``drain``, stats and the
-    resident weight bytes."""
+    """What the loop uses of an ``LLMEngine``: ``add_request``, ``drain``, stats, the
+    resident weight bytes and the tokenizer (for the output format; native lines use
+    none)."""
 
     def __init__(self, refuse: set[str]) -> None:
         self.weight_bytes = 96_500_000
+        self.tokenizer = None
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(stats=SchedulerStats())
         self.refuse = refuse
@@ -95,6 +97,7 @@ class NaNFormat:
 
     final = staticmethod(NATIVE.final)
     error = staticmethod(NATIVE.error)
+    use_tokenizer = staticmethod(NATIVE.use_tokenizer)
 
     @staticmethod
     def result(res):
