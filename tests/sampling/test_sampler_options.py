@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +165,22 @@ def test_top_k_keeps_ties_at_the_kth_value_with_and_without_top_p(top_p):
         tokens, _ = run(logits.clone(), [sp])
         seen.add(int(tokens[0]))
     assert seen == {3, 7, 11}
+
+
+def test_min_tokens_ban_holds_for_exactly_min_tokens_outputs():
+    """The stop ids are banned while sampling outputs 1..min_tokens and allowed from
+    output min_tokens + 1 on (vLLM's rule; the scheduler stops on nout > min_tokens)."""
+    from deepinfer.sampling.table import SamplingTable
+
+    table = SamplingTable(4, 32)
+    table.write(2, SP(max_tokens=8, min_tokens=3), 0, prompt_len=10, stop_token_ids=(7, 9))
+    table.write(1, SP(max_tokens=8), 0, prompt_len=5, stop_token_ids=(7,))
+    # Output k (1-based) is sampled from the token at position prompt_len + k - 2.
+    for k in range(1, 6):
+        pos = 10 + k - 2
+        _, steps, banned = table.gather(np.array([1, 2]), np.array([5 + k - 2, pos]))
+        assert steps.tolist() == [k - 1, k - 1]
+        if k <= 3:
+            assert banned == [(), (7, 9)], k
+        else:
+            assert banned is None, k
