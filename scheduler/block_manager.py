@@ -153,6 +153,11 @@ class BlockPool:
         if not self.enable_caching:
             return b
         parent = None if parent_block < 0 else (parent_block, self._gen[parent_block])
+        return self._add(b, h, tokens, parent)
+
+    def _add(self, b: int, h: int, tokens: tuple[int, ...],
+             parent: tuple[int, int] | None) -> int:
+        """``register``'s body, the parent given as ``(block, generation)``."""
         owner = self._cached.get(h)
         if owner is not None:
             # Chaining on through the owner keeps the next blocks reachable by lookup,
@@ -181,15 +186,7 @@ class BlockPool:
         gen = self._gen
         if gen[tail] != tail_gen or self._cached.get(tail_hash) != tail:
             return -1, -1
-        owner = self._cached.get(h)
-        if owner is not None:
-            same = self._tokens[owner] == tokens and self._parent[owner] == (tail, tail_gen)
-            b = owner if same else b
-        elif self._hash[b] is None:
-            self._hash[b] = h
-            self._tokens[b] = tokens
-            self._parent[b] = (tail, tail_gen)
-            self._cached[h] = b
+        b = self._add(b, h, tokens, (tail, tail_gen))
         return b, gen[b]
 
     def chain_block(self, h: int, tokens: tuple[int, ...], own: int) -> int:

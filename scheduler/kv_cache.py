@@ -168,8 +168,7 @@ class KVCache:
                 return False
             self.tables[slot, n] = pool.allocate()
             self.nblocks[slot] = n + 1
-            if self.shared_tail:
-                self.shared_tail.discard(slot)
+            self.shared_tail.discard(slot)  # its next writes go to blocks of its own
             return True
         old = int(self.tables[slot, bi])
         if pool.ref[old] > 1:  # shared with a fork sibling: copy before writing
@@ -179,8 +178,7 @@ class KVCache:
             pool.free([old])
             self.tables[slot, bi] = new
             self.clone_blocks += (old, new)
-        if self.shared_tail:
-            self.shared_tail.discard(slot)
+        self.shared_tail.discard(slot)
         return True
 
     # ------------------------------------------------------------------ prefix cache

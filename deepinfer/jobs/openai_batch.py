@@ -31,7 +31,6 @@ import codecs
 import math
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
@@ -221,7 +220,7 @@ class OpenAIFormat:
         self.model = model
         self.token_ids = token_ids
         self._records = {r.id: r for r in records}
-        self._bytes: Callable[[int], bytes] | None = None
+        self._bytes: TokenBytes | None = None
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Read logprob tokens' text and bytes from ``tokenizer`` (the engine's)."""
@@ -275,8 +274,7 @@ class OpenAIFormat:
         if self._bytes is None:
             raise RuntimeError("OpenAIFormat: use_tokenizer() before writing logprobs")
         token_bytes = self._bytes
-        name = ((lambda t: f"token_id:{t}") if self.token_ids
-                else (lambda t: token_bytes(t).decode("utf-8", errors="replace")))
+        name = (lambda t: f"token_id:{t}") if self.token_ids else token_bytes.text
         sampled, tops = [], []
         for tok, d in zip(o.token_ids, o.logprobs):
             sampled.append((tok, float(d.get(tok, float("nan")))))
