@@ -67,8 +67,6 @@ class LLMEngine:
         worker = build_worker(args, tp, capture_graphs=engine_type is not EngineType.PROMPT)
         self.device, self.backend = worker.device, worker.backend
         self.model_path, self.model = worker.model_path, worker.model
-        # Resident weights of this process's model (a GGUF file's blocks where kept).
-        self.weight_bytes = weight_bytes(self.model)
         self.model_config: ModelConfig = worker.config
         cfg = self.model_config
         self.dtype, self.max_model_len = worker.dtype, worker.max_model_len
@@ -107,6 +105,12 @@ class LLMEngine:
         # Samples whose tokens need host work each step (stop strings, logprobs).
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
         self.stats = EngineStats()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of this process's model weights: a GGUF file's blocks where
+        kept, plus the packed copies of dense weights made so far."""
+        return weight_bytes(self.model)
 
     @property
     def async_scheduling(self) -> bool:

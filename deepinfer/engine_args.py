@@ -43,6 +43,10 @@ class EngineArgs:
         "auto", "GGUF weights: auto keeps them as stored (4-8 bits) where the device has a "
         "kernel for the type (CPU: every type), dequantizing the others with a warning; "
         "none dequantizes every tensor at load", choices=QUANTIZATION_CHOICES)
+    prepack_weights: bool | None = option(
+        None, "CPU, dense bf16 weights: a oneDNN-packed copy of each, made on first use, "
+        "for products of 8 rows or more (default: where the copies fit in a quarter of "
+        "the available memory)", type=bool)
     device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
     attention_backend: str = option(
         "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",

@@ -112,7 +112,8 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     path = resolve_model_path(args.model)
     group = tp.group if tp is not None else SINGLE
     model, cfg = load_model(path, dtype=args.dtype, device=str(device), tp=group,
-                            quantization=args.quantization)
+                            quantization=args.quantization,
+                            prepack_weights=args.prepack_weights)
     max_len = model_len_limit(cfg, args.max_model_len)
     on_cuda = device.type == "cuda"
     spec = KVCacheSpec(

@@ -5,7 +5,9 @@ shapes of decode.
 Why: torch's bf16 ``F.linear`` carries a fixed cost per call that dominates at a few rows
 (2 cores, AVX512-BF16, SmolLM2-135M shapes: 30-100 us for a 576-wide GEMV that reads
 0.7-3.5 MB, against 8-30 us here, 3.4-3.9x; 1.6-2x at 8 rows). From some tens of rows
-its blocked GEMM is the faster one (ours 0.8-0.9x at 128-1024 rows): those go to torch.
+its blocked GEMM is the faster one (ours 0.8-0.9x at 128-1024 rows): those go to torch,
+and where the binding holds a oneDNN-packed copy of the weight
+(:mod:`deepinfer_kernels.cpu_prepacked`) everything from ``PACKED_MIN_M`` rows goes there.
 Products agree with torch's to the rounding of fp32 sums and the bf16 output.
 """
 
@@ -18,12 +20,18 @@ import torch.nn.functional as F
 
 from deepinfer_kernels.cpu_gguf import bf16_gemm
 from deepinfer_kernels.cpu_native import native_library
+from deepinfer_kernels.cpu_prepacked import PackedWeight
 
-__all__ = ["DENSE_MAX_M", "bind_dense_matmul", "dense_gemm_usable", "dense_matmul"]
+__all__ = ["DENSE_MAX_M", "PACKED_MIN_M", "bind_dense_matmul", "dense_gemm_usable",
+           "dense_matmul"]
 
 #: Rows from which torch's GEMM takes over (measured, 2 cores, the default model's
 #: shapes: ours 1.0-1.24x torch's at 32 rows, 0.84-1.0x at 128).
 DENSE_MAX_M = 64
+#: Rows from which a packed copy, where the binding has one, takes over (2 cores, weights
+#: read from memory as in a step: even with the kernel at 8 rows, 1.16x at 12, 1.17x at
+#: 64; the kernel 1.13x at one row).
+PACKED_MIN_M = 8
 _K_MULTIPLE = 32  # the kernel's K step: one 512-bit load of bf16
 
 
@@ -56,10 +64,13 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _product(native_library().dense_gemm_bf16_cpu, x, weight)
 
 
-def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def bind_dense_matmul(weight: torch.Tensor, packed: PackedWeight | None = None,
+                      ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``f(x)`` = ``x @ weight.T`` (x ``[M, K]`` -> ``[M, N]`` in x's dtype) that takes
     the kernel for bf16 x of fewer than ``DENSE_MAX_M`` rows and ``F.linear`` otherwise;
     None where the weight is not one the kernel reads (the layer keeps ``F.linear``).
+    With ``packed`` (the weight's :class:`PackedWeight`), bf16 x of ``PACKED_MIN_M`` rows
+    or more goes to that instead.
 
     ``weight`` is the layer's parameter: a new storage swapped into it is followed (its
     shape may not change)."""
@@ -68,14 +79,19 @@ def bind_dense_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Te
     call = native_library().dense_gemm_bf16_cpu
     k = weight.shape[1]
     bf16 = torch.bfloat16
+    small = DENSE_MAX_M if packed is None else PACKED_MIN_M
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         # Plain comparisons: a decode step makes ~120 of these calls. The weight's address
         # and dtype are read per call: loading may swap a parameter's storage.
         m = x.shape[0]
-        if (x.dtype != bf16 or weight.dtype != bf16 or not 0 < m < DENSE_MAX_M
-                or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or not x.is_cpu):
+        if (x.dtype != bf16 or weight.dtype != bf16 or x.dim() != 2 or x.shape[1] != k
+                or not x.is_cpu):
             return F.linear(x, weight)
-        return _product(call, x, weight)
+        if 0 < m < small and x.stride(1) == 1:
+            return _product(call, x, weight)
+        if packed is not None and m >= small:
+            return packed.matmul(x)
+        return F.linear(x, weight)
 
     return matmul

@@ -152,7 +152,8 @@ def check_quantization(quantization: str) -> str:
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu",
                tp: TPGroup = SINGLE,
-               quantization: str = "auto") -> tuple[nn.Module, ModelConfig]:
+               quantization: str = "auto",
+               prepack_weights: bool | None = None) -> tuple[nn.Module, ModelConfig]:
     """Load a model for inference.
 
     Args:
@@ -168,6 +169,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
             wherever the device has a kernel for the type (any other block type is
             dequantized, with one warning naming it); ``"none"``: every tensor is
             dequantized at load. Safetensors checkpoints load as stored either way.
+        prepack_weights: whether dense bf16 weights on the CPU get a oneDNN-packed copy
+            for batched products (``deepinfer.models.dense_kernels``; None: where the
+            copies fit in a quarter of the available memory).
 
     Returns:
         ``(model, config)``; the model is in eval mode, parameters without grad.
@@ -208,7 +212,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "
                          f"{', '.join(model.checkpoint_name(m) for m in missing[:3])}")
     bind_quantized_kernels(model, model_dtype)
-    bind_dense_kernels(model)
+    bind_dense_kernels(model, prepack=prepack_weights)
     return model.eval(), cfg
 
 

@@ -142,5 +142,8 @@ def quantized_layers(model: nn.Module) -> dict[str, int]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters as held (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters as held (a tied embedding counted once), plus the
+    packed copies of dense weights made so far (``deepinfer.models.dense_kernels``)."""
+    packed = sum(m.packed_weight.nbytes for m in model.modules()
+                 if getattr(m, "packed_weight", None) is not None)
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
