@@ -24,7 +24,14 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.quantized import weight_bytes
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.request_state import AdmissionLimits, RequestState, SampleState, SequenceExport
+from deepinfer.request_state import (
+    AdmissionLimits,
+    RequestState,
+    SampleState,
+    SequenceExport,
+    prompt_score_k,
+    record_prompt_scores,
+)
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampled_tokens import SampledTokens
 from deepinfer.sampling.step_sampling import StepSampling
@@ -178,9 +185,11 @@ class LLMEngine:
     def _queue(self, req: RequestState) -> None:
         """Hand a request to the scheduler (at once, or when its grammar is compiled)."""
         p = req.params
+        # max_tokens 0 (scoring only): the prompt step still samples; that token is dropped.
         self.scheduler.add_request(
-            req.request_id, list(req.prompt_token_ids), p.max_tokens, n=p.n,
-            stop_token_ids=sorted(req.stop_token_ids), min_tokens=p.min_tokens)
+            req.request_id, list(req.prompt_token_ids), max(1, p.max_tokens), n=p.n,
+            stop_token_ids=sorted(req.stop_token_ids), min_tokens=p.min_tokens,
+            score_prompt=p.prompt_logprobs is not None)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free what it holds; False if unknown or already finished."""
@@ -214,6 +223,7 @@ class LLMEngine:
             output_token_ids=list(seq.output_token_ids), params=req.params,
             stop_token_ids=sorted(req.stop_token_ids),
             logprobs=st.logprobs, num_blocks=len(seq.blocks),
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     def release_exported(self, seq: Sequence) -> None:
@@ -234,7 +244,7 @@ class LLMEngine:
         if seq is None:
             return None
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
-                           frozenset(exp.stop_token_ids))
+                           frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs)
         self.requests[exp.request_id] = req
         if params.structured_outputs is not None:
             self.structured.add(exp.request_id, params.structured_outputs,
@@ -345,13 +355,16 @@ class LLMEngine:
         self._open_steps.append(out)
         sampling = self._step_sampling(out)
         mask = self.structured.logits_mask(out.sample_seqs) if self.structured.live else None
-        return out, self.runner.launch(out, sampling, mask), t0
+        k = 0 if out.scores is None else prompt_score_k(self.requests, out.scores)
+        return out, self.runner.launch(out, sampling, mask, score_k=k), t0
 
     def _complete(self, out, sampled: SampledTokens, t0: float) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and apply them; returns the requests
         that finished."""
         token_ids, logprobs = sampled.result()
         self._open_steps.popleft()  # ``out``: steps complete in launch order
+        if out.scores is not None and sampled.prompt_scores is not None:
+            record_prompt_scores(self.requests, out.scores, sampled.prompt_scores)
         finished_seqs = self.scheduler.update(out, token_ids)
         dropped = self.scheduler.dropped
         now = time.perf_counter()
@@ -416,15 +429,18 @@ class LLMEngine:
                 seq.finish_reason = "stop"
 
     def _request_output(self, req: RequestState) -> RequestOutput:
+        keep = req.params.max_tokens  # 0: scored only, the prompt step's token dropped
         outs = [
             CompletionOutput(
-                index=i, text=req.text_of(st, self.tokenizer),
-                token_ids=list(st.seq.output_token_ids),
-                finish_reason=st.finish_reason, logprobs=st.logprobs,
-                stop_reason=req.stop_reason_of(st))
+                index=i, text=req.text_of(st, self.tokenizer) if keep else "",
+                token_ids=st.seq.output_token_ids[:keep],
+                finish_reason=st.finish_reason if keep else "length",
+                logprobs=None if st.logprobs is None else st.logprobs[:keep],
+                stop_reason=req.stop_reason_of(st) if keep else None)
             for i, st in sorted(req.samples.items())
         ]
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=True,
+            prompt_logprobs=req.prompt_logprobs,
         )

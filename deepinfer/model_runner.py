@@ -23,6 +23,7 @@ from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import KernelBackend
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
+from deepinfer.prompt_scoring import score_rows
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampled_tokens import SampledTokens
 from deepinfer.sampling.sampler import Sampler, SamplingTensors
@@ -251,26 +252,29 @@ class ModelRunner:
         return self.launch(out, sampling).result()
 
     def launch(self, out, sampling: StepSampling | None = None,
-               logits_mask: Callable[[], TokenMask | None] | None = None) -> SampledTokens:
+               logits_mask: Callable[[], TokenMask | None] | None = None,
+               score_k: int = 0) -> SampledTokens:
         """Enqueue one step (see ``_launch``). A TP leader whose step failed part-way
         (its followers are left inside that step's collectives) refuses any further
         step: the group is out of step for good."""
         if self.channel is None:
-            return self._launch(out, sampling, logits_mask)
+            return self._launch(out, sampling, logits_mask, score_k)
         if self._broken:
             raise RuntimeError("a step failed part-way on this tensor-parallel leader: its "
                                "ranks are out of step; build a new engine")
         try:
-            return self._launch(out, sampling, logits_mask)
+            return self._launch(out, sampling, logits_mask, score_k)
         except BaseException:
             self._broken = True
             raise
 
     @torch.inference_mode()
     def _launch(self, out, sampling: StepSampling | None = None,
-                logits_mask: Callable[[], TokenMask | None] | None = None) -> SampledTokens:
+                logits_mask: Callable[[], TokenMask | None] | None = None,
+                score_k: int = 0) -> SampledTokens:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
-        without waiting for the device (logprobs, when asked for, are read at once).
+        without waiting for the device (logprobs, when asked for, are read at once; so
+        are a prompt step's scored rows, ``prompt_scores``, with their top ``score_k``).
 
         ``logits_mask`` (structured output): the sampling is deferred (the handle's
         ``finish_sampling()`` or ``result()`` enqueues it); it calls ``logits_mask()``
@@ -312,9 +316,13 @@ class ModelRunner:
             if self.channel is not None:
                 self.channel.send_ids(ids)
         hidden = self._run_model(out.is_prompt, b, ids)
+        scores = None
+        if b.score_rows.numel():
+            scores = score_rows(self.model, hidden, self._to_device(b.score_rows),
+                                out.scores.targets, score_k, self.cfg.vocab_size)
         if out.num_samples == 0:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
-            return SampledTokens(None, None)
+            return SampledTokens(None, None, prompt_scores=scores)
         if not out.is_prompt and out.num_samples == b.num_tokens:
             rows = hidden[: b.num_tokens]  # decode samples every row, in order: no gather
         else:
@@ -324,12 +332,15 @@ class ModelRunner:
         b.mark_copied()
         st = self._sampling_tensors(b)
         if logits_mask is None:
-            return self._sample(logits, st, slots, None)
-        # The mask is filled once the matchers have seen every earlier token: with a step
-        # in flight that is after the engine lands it (``finish_sampling``), while the
-        # device runs this step's forward.
-        return SampledTokens.deferred(
-            lambda: self._sample_deferred(logits, st, slots, logits_mask))
+            sampled = self._sample(logits, st, slots, None)
+        else:
+            # The mask is filled once the matchers have seen every earlier token: with a
+            # step in flight that is after the engine lands it (``finish_sampling``),
+            # while the device runs this step's forward.
+            sampled = SampledTokens.deferred(
+                lambda: self._sample_deferred(logits, st, slots, logits_mask))
+        sampled.prompt_scores = scores
+        return sampled
 
     def _sample_deferred(self, *args) -> SampledTokens:
         """``_sample`` called after ``_launch`` returned (deferred): in inference mode
@@ -397,6 +408,9 @@ class ModelRunner:
             return
         ids = self.channel.recv_ids(b.num_tokens, self.device) if step.ids_on_device else None
         hidden = self._run_model(step.is_prompt, b, ids)
+        if b.score_rows.numel():  # the leader gathers these rows' logits first
+            score_rows(self.model, hidden, self._to_device(b.score_rows), None, 0,
+                       self.cfg.vocab_size)
         if b.logits_indices.numel():
             self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
 

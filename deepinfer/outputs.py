@@ -8,6 +8,15 @@ from typing import Any
 
 # One dict per generated token: {token_id: logprob} with the sampled token and the top-k.
 SampleLogprobs = list[dict[int, float]]
+# One entry per prompt token: None for the first (nothing precedes it), then {token_id:
+# logprob} with that prompt token and the top-k at its position.
+PromptLogprobs = list[dict[int, float] | None]
+
+
+def logprob_dicts(entries: list[dict[int, float] | None]) -> list[dict[int, float] | None]:
+    """JSON-ready copies of logprob dicts (plain ints and floats; None kept)."""
+    return [None if d is None else {int(t): float(lp) for t, lp in d.items()}
+            for d in entries]
 
 
 @dataclass
@@ -38,20 +47,21 @@ class CompletionOutput:
             "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
-            "logprobs": None if self.logprobs is None
-            else [{int(t): float(lp) for t, lp in d.items()} for d in self.logprobs],
+            "logprobs": None if self.logprobs is None else logprob_dicts(self.logprobs),
         }
 
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt. ``prompt`` is None when token ids were given."""
+    """All completions of one prompt. ``prompt`` is None when token ids were given.
+    ``prompt_logprobs``: None unless ``SamplingParams.prompt_logprobs`` was set."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the request and its completions."""
@@ -61,4 +71,6 @@ class RequestOutput:
             "prompt_token_ids": list(self.prompt_token_ids),
             "outputs": [o.to_dict() for o in self.outputs],
             "finished": self.finished,
+            "prompt_logprobs": None if self.prompt_logprobs is None
+            else logprob_dicts(self.prompt_logprobs),
         }

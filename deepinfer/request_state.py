@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
+from deepinfer.prompt_scoring import PromptScores
 from deepinfer.sampling.params import SamplingParams
 from deepinfer_scheduler import Sequence
+from deepinfer_scheduler.prompt_scores import ScoreRows
 
 
 @dataclass
@@ -48,6 +50,13 @@ class RequestState:
     stop_token_ids: frozenset[int]
     samples: dict[int, SampleState] = field(default_factory=dict)
     num_finished: int = 0
+    #: With ``params.prompt_logprobs``: None for the first prompt token, then one entry per
+    #: prompt token scored so far (in order); else None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     def start_sample(self, seq: Sequence, tokenizer: Any) -> tuple[SampleState, bool]:
         """The state of ``seq``'s sample, created when the sample starts (a preempted
@@ -104,6 +113,7 @@ class SequenceExport:
     stop_token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     num_blocks: int
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def fit_to_model_len(request_id: str, prompt_len: int, p: SamplingParams,
@@ -153,3 +163,29 @@ class AdmissionLimits:
                     f"request {request_id!r}: prompt + max_tokens needs {need} KV blocks; "
                     f"no decode rank has that many ({self.decode_blocks} blocks)")
         return p
+
+
+def prompt_score_k(requests: dict[str, RequestState], rows: ScoreRows) -> int:
+    """The most top logprobs any request scored in a prompt step asks for."""
+    ks = [req.params.prompt_logprobs for seq, _, _ in rows.owners
+          if (req := requests.get(seq.request_id)) is not None]
+    return max((k for k in ks if k is not None), default=0)
+
+
+def record_prompt_scores(requests: dict[str, RequestState], rows: ScoreRows,
+                         scores: PromptScores) -> None:
+    """Append each scored row's entry (``{token: logprob}``: the prompt token it scores,
+    then its request's top ``prompt_logprobs``) to its request's ``prompt_logprobs``. A
+    request no longer here (aborted) is skipped."""
+    targets = rows.targets.tolist()
+    r = 0
+    for seq, first, count in rows.owners:
+        req = requests.get(seq.request_id)
+        if req is not None and req.prompt_logprobs is not None:
+            if len(req.prompt_logprobs) != first + 1:  # the scheduler scores in order, once
+                raise RuntimeError(f"request {seq.request_id!r}: prompt position {first} "
+                                   f"scored after {len(req.prompt_logprobs) - 1} positions")
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs += [scores.entry(r + j, targets[r + j], k)
+                                    for j in range(count)]
+        r += count

@@ -11,10 +11,12 @@ when the step was scheduled (overlapped scheduling's placeholders) are resolved 
 leader's device and broadcast over the device group, so no rank waits on the host.
 
 Header (int64): kind, is_prompt, T, B, W, S, clone pairs, max_query_len, max_seq_len,
-ids on the device. Payload: input_ids [T], positions [T], slot_mapping [T],
-block_tables [B*W], seq_lens [B], query_start_loc [B+1], logits_indices [S], clone
-pairs [2N]. Shared memory would be cheaper still on one node (0.1-0.2x of gloo in that
-benchmark) but needs followers that spin while they wait: not done yet.
+ids on the device, R (scored rows). Payload: input_ids [T], positions [T],
+slot_mapping [T], block_tables [B*W], seq_lens [B], query_start_loc [B+1],
+logits_indices [S], clone pairs [2N], score_rows [R] (every rank takes part in the
+logits gather of the rows a prompt step scores). Shared memory would be cheaper still on
+one node (0.1-0.2x of gloo in that benchmark) but needs followers that spin while they
+wait: not done yet.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from deepinfer_scheduler.batch import LaunchBatch
 
-_HEADER = 10
+_HEADER = 11
 #: Ints of one broadcast (header included): 64 KiB.
 INLINE = 8192
 _STEP, _STOP = 1, 0
@@ -69,13 +71,14 @@ class StepChannel:
         bt = b.block_tables
         clone = out.clone_blocks
         buf = self._buf_np
+        scored = b.score_rows
         buf[:_HEADER] = (_STEP, int(out.is_prompt), b.num_tokens, bt.shape[0], bt.shape[1],
                          b.logits_indices.shape[0], clone.shape[0], b.max_query_len,
-                         b.max_seq_len, int(ids_on_device))
+                         b.max_seq_len, int(ids_on_device), scored.shape[0])
         parts = [b.input_ids, b.positions, b.slot_mapping, bt.reshape(-1), b.seq_lens,
-                 b.query_start_loc, b.logits_indices, clone.reshape(-1)]
+                 b.query_start_loc, b.logits_indices, clone.reshape(-1), scored]
         n = payload_size(b.num_tokens, bt.shape[0], bt.shape[1],
-                         b.logits_indices.shape[0], clone.shape[0])
+                         b.logits_indices.shape[0], clone.shape[0], scored.shape[0])
         if n <= INLINE - _HEADER:  # the usual case: one broadcast
             np.concatenate([p.numpy() for p in parts], out=buf[_HEADER:_HEADER + n],
                            casting="unsafe")
@@ -100,16 +103,16 @@ class StepChannel:
         """The next step from the leader, or None when the run is over."""
         dist.broadcast(self._buf, self.leader, group=self.host_group)
         header = self._buf_np[:_HEADER].tolist()
-        kind, is_prompt, t, b, w, s, n_clone, max_q, max_seq, on_dev = header
+        kind, is_prompt, t, b, w, s, n_clone, max_q, max_seq, on_dev, r = header
         if kind == _STOP:
             return None
-        n = payload_size(t, b, w, s, n_clone)
+        n = payload_size(t, b, w, s, n_clone, r)
         if n <= INLINE - _HEADER:
             payload = self._buf[_HEADER:_HEADER + n].clone()  # the buffer is reused
         else:
             payload = torch.empty(n, dtype=torch.int64)
             dist.broadcast(payload, self.leader, group=self.host_group)
-        batch, clone = unpack_step(payload, t, b, w, s, n_clone, max_q, max_seq)
+        batch, clone = unpack_step(payload, t, b, w, s, n_clone, max_q, max_seq, r)
         return FollowerStep(bool(is_prompt), batch, clone, bool(on_dev))
 
     def recv_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -119,19 +122,20 @@ class StepChannel:
         return ids
 
 
-def payload_size(t: int, b: int, w: int, s: int, n_clone: int) -> int:
+def payload_size(t: int, b: int, w: int, s: int, n_clone: int, r: int = 0) -> int:
     """Ints in the payload of a step of ``t`` tokens, ``b`` sequences, block tables ``w``
-    wide, ``s`` samples and ``n_clone`` copy-on-write pairs."""
-    return 3 * t + b * w + 2 * b + 1 + s + 2 * n_clone
+    wide, ``s`` samples, ``n_clone`` copy-on-write pairs and ``r`` scored rows."""
+    return 3 * t + b * w + 2 * b + 1 + s + 2 * n_clone + r
 
 
 def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: int,
-                max_query_len: int, max_seq_len: int) -> tuple[LaunchBatch, torch.Tensor]:
+                max_query_len: int, max_seq_len: int,
+                r: int = 0) -> tuple[LaunchBatch, torch.Tensor]:
     """A payload (int64 ``[payload_size(...)]``, the module docstring's layout) -> the
     step's ``LaunchBatch`` (views of it, the scheduler's dtypes; no state slots: a
     follower does not sample) and its copy-on-write pairs ``[n_clone, 2]``."""
-    sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone]
-    ids, pos, slots, bt, lens, qsl, li, clone = payload.split(sizes)
+    sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone, r]
+    ids, pos, slots, bt, lens, qsl, li, clone, scored = payload.split(sizes)
     i32 = torch.int32
     batch = LaunchBatch(
         input_ids=ids, positions=pos, slot_mapping=slots,
@@ -139,5 +143,6 @@ def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: 
         query_start_loc=qsl.to(i32), logits_indices=li,
         state_slots=torch.empty(0, dtype=torch.int64),
         sample_state_slots=torch.empty(0, dtype=torch.int64),
-        max_query_len=max_query_len, max_seq_len=max_seq_len, num_tokens=t)
+        max_query_len=max_query_len, max_seq_len=max_seq_len, num_tokens=t,
+        score_rows=scored)
     return batch, clone.view(-1, 2)

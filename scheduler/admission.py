@@ -97,6 +97,10 @@ class Admission:
         ntok = seq.num_tokens
         # The last token is always computed, so its block too.
         nfull = (ntok - 1) // bs
+        if seq.prompt_scored >= 0:
+            # A scored prompt computes every position it has not scored yet: the cache
+            # holds K/V, not the hidden states a position's logprobs come from.
+            nfull = min(nfull, seq.prompt_scored // bs)
         hits = kv.cached_prefix(seq, nfull) if nfull else []
         start = len(hits) * bs
         num_new = min(ntok - start, budget)

@@ -26,6 +26,9 @@ import torch
 from deepinfer_scheduler.kv_cache import KVCache
 from deepinfer_scheduler.sequence import Sequence
 
+#: The ``score_rows`` of a step that scores none (size 0: a borrower cannot change it).
+NO_ROWS = torch.zeros(0, dtype=torch.int64)
+
 
 @dataclass
 class LaunchBatch:
@@ -42,6 +45,8 @@ class LaunchBatch:
     logits_indices     int64 [S]    rows whose logits are sampled, in sample order
     state_slots        int64 [B]    state slot of each scheduled sequence
     sample_state_slots int64 [S]    state slot of the sequence each sample belongs to
+    score_rows         int64 [R]    prompt step: rows whose logits are scored against the
+                                    next prompt token (``prompt_scores``); usually empty
     """
 
     input_ids: torch.Tensor
@@ -57,6 +62,7 @@ class LaunchBatch:
     max_seq_len: int
     num_tokens: int
     buffers: BatchBuffers | None = field(default=None, repr=False, compare=False)
+    score_rows: torch.Tensor = field(default_factory=lambda: NO_ROWS)
 
     @property
     def num_seqs(self) -> int:
@@ -115,7 +121,7 @@ class BatchBuffers:
         return self.block_tables_np[: b * w].reshape(b, w)
 
     def make(self, t: int, b: int, w: int, s: int, max_query_len: int,
-             max_seq_len: int) -> LaunchBatch:
+             max_seq_len: int, score_rows: torch.Tensor = NO_ROWS) -> LaunchBatch:
         """Tensors over the first t tokens / b sequences / s samples of the buffers. The
         batch of a size seen before is reused, its two lengths updated (same memory;
         nine slices and the dataclass cost ~20 us, and decode steps repeat their sizes):
@@ -135,6 +141,7 @@ class BatchBuffers:
         else:
             batch.max_query_len = max_query_len
             batch.max_seq_len = max_seq_len
+        batch.score_rows = score_rows
         return batch
 
 
@@ -169,12 +176,14 @@ class BatchBuilder:
         return buf.make(0, 0, 0, 0, 0, 0)
 
     def prefill(self, sched: list[tuple[Sequence, int, int]], slots: np.ndarray,
-                sample_rows: list[int], sample_slots: list[int]) -> LaunchBatch:
+                sample_rows: list[int], sample_slots: list[int],
+                score_rows: torch.Tensor | None = None) -> LaunchBatch:
         """Prompt step: ``sched`` holds ``(seq, first new token, number of new tokens)``
         per sequence in batch order, ``slots`` (int64 [B]) their state slots (the KV rows
         already cover every new token). ``sample_rows[k]``: batch index of the sequence
         sample k reads its logits from (its last new token); ``sample_slots[k]``: the state
-        slot of the sequence sample k belongs to."""
+        slot of the sequence sample k belongs to. ``score_rows``: the rows scored
+        (``prompt_scores``), None for none."""
         bs = self._kv.block_size
         tables = self._kv.tables
         nb = len(sched)
@@ -204,7 +213,8 @@ class BatchBuilder:
         if ns:
             np.subtract(qsl[1:][sample_rows], 1, out=buf.logits_indices_np[:ns])
             buf.sample_state_slots_np[:ns] = sample_slots
-        return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
+        return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()),
+                        NO_ROWS if score_rows is None else score_rows)
 
     def decode(self, slots: np.ndarray, ntok: np.ndarray, slot_mapping: np.ndarray,
                max_len: int, last_token: np.ndarray, rows: object) -> LaunchBatch:

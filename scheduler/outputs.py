@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_scheduler.batch import LaunchBatch
+from deepinfer_scheduler.prompt_scores import ScoreRows
 from deepinfer_scheduler.running_rows import RunningRows
 from deepinfer_scheduler.sequence import Sequence
 
@@ -63,6 +64,8 @@ class SchedulerOutputs:
                        reach its length limit with it
     step               the ``schedule()`` count when it was built: ``update()`` takes
                        steps in order, each once
+    scores             prompt step: the rows scored for ``score_prompt`` sequences, their
+                       target tokens and owners (``scheduler.prompt_scores``); else None
     """
 
     is_prompt: bool
@@ -82,13 +85,15 @@ class SchedulerOutputs:
     filled: list[int] | None = field(default=None, repr=False)
     may_end: bool = field(default=True, repr=False)
     step: int = field(default=0, repr=False)
+    scores: ScoreRows | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, is_prompt: bool, seqs: list[Sequence], sample_seqs: list[Sequence],
               batch: LaunchBatch, *, clone_blocks: list[int], zero_states: list[int],
               clone_states: list[int], admitted: list[Sequence], forked: list[Sequence],
               rows: RunningRows | None, unbinds: int, step: int,
-              filled: list[int] | None = None, may_end: bool = True) -> SchedulerOutputs:
+              filled: list[int] | None = None, may_end: bool = True,
+              scores: ScoreRows | None = None) -> SchedulerOutputs:
         """Outputs over ``batch``; ``clone_blocks`` / ``clone_states`` are flat
         ``src, dst, ...`` lists, turned into int64 ``[N, 2]`` tensors; ``admitted`` /
         ``forked`` are copied into tuples (most steps have none: ``()``, no allocation)."""
@@ -101,6 +106,7 @@ class SchedulerOutputs:
             clone_states=_pairs(clone_states),
             batch=batch, admitted=tuple(admitted), forked=tuple(forked),
             rows=rows, unbinds=unbinds, step=step, filled=filled, may_end=may_end,
+            scores=scores,
         )
 
     @property

@@ -32,6 +32,7 @@ from deepinfer_scheduler.handoff import Handoffs
 from deepinfer_scheduler.invariants import check_scheduler
 from deepinfer_scheduler.kv_cache import KVCache
 from deepinfer_scheduler.outputs import SchedulerOutputs, SchedulerStats
+from deepinfer_scheduler.prompt_scores import ScoreRows, score_rows
 from deepinfer_scheduler.registry import SequenceRegistry, validate_request
 from deepinfer_scheduler.running_rows import RunningRows
 from deepinfer_scheduler.samples import SampleApplier, token_list
@@ -94,9 +95,12 @@ class Scheduler:
 
     # ================================================================== requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, *,
-                    n: int = 1, stop_token_ids: _Seq[int] = (), min_tokens: int = 0) -> None:
+                    n: int = 1, stop_token_ids: _Seq[int] = (), min_tokens: int = 0,
+                    score_prompt: bool = False) -> None:
         """Queue a request of ``n`` samples. Raises ``ValueError`` naming the request and
-        the rule it breaks (state unchanged) if it is malformed or could never run."""
+        the rule it breaks (state unchanged) if it is malformed or could never run.
+        ``score_prompt``: its prompt steps also score every prompt position
+        (``SchedulerOutputs.scores``), none of them skipped through the prefix cache."""
         prompt = [int(t) for t in prompt_token_ids]
         validate_request(self.config, request_id, prompt, max_tokens, n=n,
                          min_tokens=min_tokens, max_live=self.state_manager.max_live)
@@ -105,7 +109,7 @@ class Scheduler:
             self._registry.check_new(request_id)
             seq = Sequence(self._registry.new_id(), request_id, 0, prompt, max_tokens,
                            min_tokens=min_tokens, stop_token_ids=stops, num_forks=n - 1,
-                           kv_cache=self.kv_cache)
+                           kv_cache=self.kv_cache, score_prompt=score_prompt)
             self._registry.add(seq)
             self.waiting.append(seq)
 
@@ -284,10 +288,12 @@ class Scheduler:
                     sample_rows.append(i)
         self._run_rows = None
         sample_slots = [s.slot for s in sample_seqs]
-        batch = self._batches.prefill(sched, slots, sample_rows, sample_slots)
+        scores = score_rows(sched)
+        batch = self._batches.prefill(sched, slots, sample_rows, sample_slots,
+                                      None if scores is None else scores.rows)
         if sample_slots:
             self.state_manager.advance(np.array(sample_slots, dtype=np.int64))
-        return self._outputs(True, seqs, sample_seqs, batch, None)
+        return self._outputs(True, seqs, sample_seqs, batch, None, scores=scores)
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> SchedulerOutputs:
@@ -421,8 +427,8 @@ class Scheduler:
 
     def _outputs(self, is_prompt: bool, seqs: list[Sequence],
                  sample_seqs: list[Sequence], batch: LaunchBatch,
-                 rows: RunningRows | None, step: DecodeStep | None = None
-                 ) -> SchedulerOutputs:
+                 rows: RunningRows | None, step: DecodeStep | None = None,
+                 scores: ScoreRows | None = None) -> SchedulerOutputs:
         adm = self._admission
         return SchedulerOutputs.build(
             is_prompt, seqs, sample_seqs, batch, clone_blocks=self.kv_cache.clone_blocks,
@@ -430,7 +436,7 @@ class Scheduler:
             admitted=adm.admitted, forked=adm.forked, rows=rows,
             unbinds=self.state_manager.num_unbinds, step=self._step,
             filled=None if step is None else step.filled,
-            may_end=True if step is None else step.may_end)
+            may_end=True if step is None else step.may_end, scores=scores)
 
     def _empty(self, is_prompt: bool) -> SchedulerOutputs:
         return self._outputs(is_prompt, [], [], self._batches.empty(), None)

@@ -39,9 +39,11 @@ class Sequence:
     ``StateManager``), ``blocks`` (KV block ids in order, read-only: derived from the
     block-table row that ``kv_cache`` keeps for the slot), ``num_computed`` (prompt
     tokens prefill has scheduled so far), the chain hashes of its full blocks and how
-    many of them are registered in the prefix cache, and ``num_forks`` (children still to
+    many of them are registered in the prefix cache, ``num_forks`` (children still to
     create when its prompt completes; their slots are reserved in ``reserved_slots``
-    from admission on).
+    from admission on), and ``prompt_scored``: -1 when its prompt is not scored, else how
+    many prompt positions have had their row scored (position p scores prompt token
+    p + 1; ``scheduler.prompt_scores``).
     """
 
     __slots__ = (
@@ -49,12 +51,13 @@ class Sequence:
         "status", "finish_reason", "num_cached_tokens", "stop_token_ids", "max_tokens",
         "min_tokens", "slot", "kv_cache", "block_hashes", "num_registered", "num_forks",
         "reserved_slots", "admitted", "num_computed", "chain_tail", "chain_gen",
+        "prompt_scored",
     )
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int,
                  prompt_token_ids: list[int], max_tokens: int, *, min_tokens: int = 0,
                  stop_token_ids: _Seq[int] = (), num_forks: int = 0,
-                 kv_cache: BlockRows | None = None) -> None:
+                 kv_cache: BlockRows | None = None, score_prompt: bool = False) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -78,6 +81,7 @@ class Sequence:
         self.reserved_slots: list[int] = []
         self.admitted = False
         self.num_computed = 0
+        self.prompt_scored = 0 if score_prompt else -1
 
     @property
     def blocks(self) -> list[int]:

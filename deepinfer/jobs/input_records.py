@@ -41,6 +41,7 @@ class InputRecord:
     custom_id: str | None = None  # OpenAI batch format: the line's custom_id
     api: str | None = None  # OpenAI batch format: "chat" or "completion"
     model: str | None = None  # OpenAI batch format: the line's body.model
+    echo: bool = False  # OpenAI completions: the prompt leads the text and the logprobs
 
     @property
     def shown_prompt(self) -> str | Messages | None:

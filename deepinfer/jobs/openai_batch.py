@@ -36,6 +36,7 @@ from typing import Any
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.jobs.input_records import SAMPLING_KEYS, InputRecord, structured_overrides
 from deepinfer.jobs.resume_keys import OPENAI_ID_PREFIX, openai_success
+from deepinfer.sampling.params import MAX_LOGPROBS
 from deepinfer.token_bytes import TokenBytes
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -48,14 +49,12 @@ _SAME_NAME = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
             "parallel_tool_calls"}
 # OpenAI fields this engine does not implement: a line using one fails, naming it...
-_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "echo",
+_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias",
                 "best_of", "suffix", "audio", "modalities", "prediction"}
 # ... unless it holds the value that asks for nothing (what SDKs fill in by default).
 _NO_OP_VALUES = {"tools": [], "functions": [], "logit_bias": {}, "echo": False,
                  "best_of": 1, "suffix": "", "tool_choice": "none", "function_call": "none",
                  "modalities": ["text"]}
-#: The most top logprobs a line may ask for (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
 
 
 def is_openai_batch(path: str) -> bool:
@@ -130,7 +129,8 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
     return InputRecord(id=OPENAI_ID_PREFIX + cid, prompt=prompt, messages=messages,
                        overrides=overrides, custom_id=cid,
                        api="chat" if url == CHAT_URL else "completion",
-                       model=model if isinstance(model, str) and model else None)
+                       model=model if isinstance(model, str) and model else None,
+                       echo=body.get("echo") is True)
 
 
 def _body_fields(body: dict[str, Any], chat: bool
@@ -165,6 +165,14 @@ def _body_fields(body: dict[str, Any], chat: bool
         if key in body:
             overrides["max_tokens"] = body[key]
             used.discard(key)
+    echo = body.get("echo")
+    used.discard("echo")
+    if echo is not None and (chat or not isinstance(echo, bool)):
+        raise ValueError("body.echo: only true or false, and only for /v1/completions "
+                         "(a chat completion does not echo its messages)")
+    if overrides.get("max_tokens") == 0 and not echo:
+        raise ValueError("body.max_tokens: 0 only with echo: true (the prompt scored, "
+                         "nothing generated)")
     logprobs = body.get("logprobs")
     if chat:
         top = body.get("top_logprobs")
@@ -176,6 +184,9 @@ def _body_fields(body: dict[str, Any], chat: bool
             overrides["logprobs"] = 0 if top is None else _top_count("top_logprobs", top)
     elif logprobs is not None:
         overrides["logprobs"] = _top_count("logprobs", logprobs)
+    if echo and (logprobs is not None or overrides.get("max_tokens") == 0):
+        # The echoed prompt's logprobs, as the legacy API gives them: its tokens first.
+        overrides["prompt_logprobs"] = overrides.get("logprobs", 0)
     used -= {"logprobs", "top_logprobs", "response_format"}
     if used:
         raise ValueError(f"body.{sorted(used)[0]}: unknown field")
@@ -236,11 +247,12 @@ class OpenAIFormat:
         for o in res.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason,
                                       "stop_reason": o.stop_reason,
-                                      "logprobs": self._logprobs(o, chat, top or 0)}
+                                      "logprobs": self._logprobs(
+                                          o, chat, top or 0, res if rec.echo else None)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
             else:
-                choice["text"] = o.text
+                choice["text"] = (rec.prompt or "") + o.text if rec.echo else o.text
             choices.append(choice)
         completion = sum(len(o.token_ids) for o in res.outputs)
         prompt = len(res.prompt_token_ids or ())
@@ -266,9 +278,11 @@ class OpenAIFormat:
         return openai_success(line)
 
 
-    def _logprobs(self, o, chat: bool, top_k: int) -> dict[str, Any] | None:
+    def _logprobs(self, o, chat: bool, top_k: int, echo: Any = None) -> dict[str, Any] | None:
         """OpenAI-shaped logprobs of one completion; a chat completion's
-        ``top_logprobs`` keep the ``top_k`` most likely only."""
+        ``top_logprobs`` keep the ``top_k`` most likely only. ``echo``: the
+        ``RequestOutput`` whose prompt tokens lead a completion's lists (the first with
+        null logprobs: nothing precedes it)."""
         if o.logprobs is None:
             return None
         if self._bytes is None:
@@ -276,7 +290,12 @@ class OpenAIFormat:
         token_bytes = self._bytes
         name = (lambda t: f"token_id:{t}") if self.token_ids else token_bytes.text
         sampled, tops = [], []
-        for tok, d in zip(o.token_ids, o.logprobs):
+        prompt = [] if echo is None else list(zip(echo.prompt_token_ids, echo.prompt_logprobs))
+        for tok, d in prompt + list(zip(o.token_ids, o.logprobs)):
+            if d is None:  # the echoed prompt's first token
+                sampled.append((tok, None))
+                tops.append(None)
+                continue
             sampled.append((tok, float(d.get(tok, float("nan")))))
             # A grammar's masked tokens can fill the top k with -inf: drop them (OpenAI
             # lists only real alternatives, and JSON has no infinity). The sampled token's
@@ -294,9 +313,9 @@ class OpenAIFormat:
                                 for (t, lp), top in zip(sampled, tops)],
                     "refusal": None}
         # Two ids with one text share a key: the likelier stays (the list is sorted).
-        top_dicts = [{} for _ in tops]
+        top_dicts = [None if top is None else {} for top in tops]
         for dst, top in zip(top_dicts, tops):
-            for t, lp in top:
+            for t, lp in top or ():
                 dst.setdefault(name(t), lp)
         return {"tokens": [name(t) for t, _ in sampled],
                 "token_logprobs": [lp for _, lp in sampled],

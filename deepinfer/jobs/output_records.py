@@ -56,17 +56,26 @@ def result_record(res) -> dict[str, Any]:
     """The output line of one finished request (a ``RequestOutput``). With logprobs
     asked for, each output also has ``logprobs``: per generated token, its top
     alternatives and the sampled token as ``{"<token id>": logprob}`` (tokens a grammar
-    ruled out, at -inf, left out: JSON has no infinity)."""
+    ruled out, at -inf, left out: JSON has no infinity). With ``prompt_logprobs``, the
+    record has ``prompt_logprobs``: null for the first prompt token, then per prompt
+    token ``{"<token id>": logprob}`` of that token and the top alternatives there."""
     outputs = []
     for o in res.outputs:
         out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
         if o.stop_reason is not None:
             out["stop_reason"] = o.stop_reason
         if o.logprobs is not None:
-            out["logprobs"] = [{str(t): float(lp) for t, lp in d.items()
-                                if math.isfinite(lp)} for d in o.logprobs]
+            out["logprobs"] = [_json_logprobs(d) for d in o.logprobs]
         outputs.append(out)
-    return {"id": res.request_id, "outputs": outputs}
+    record = {"id": res.request_id, "outputs": outputs}
+    if getattr(res, "prompt_logprobs", None) is not None:
+        record["prompt_logprobs"] = [None if d is None else _json_logprobs(d)
+                                     for d in res.prompt_logprobs]
+    return record
+
+
+def _json_logprobs(d: dict[int, float]) -> dict[str, float]:
+    return {str(t): float(lp) for t, lp in d.items() if math.isfinite(lp)}
 
 
 class NativeFormat:

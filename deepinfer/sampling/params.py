@@ -18,6 +18,9 @@ from deepinfer.structured.params import StructuredOutputsParams
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
 
+#: The most top logprobs a prompt position may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
 
 # Token ids live in int64 tensors.
 _MAX_TOKEN_ID = (1 << 63) - 1
@@ -66,6 +69,10 @@ class SamplingParams:
     - ``ignore_eos``: keep generating past EOS.
     - ``logprobs``: return the log-probabilities of the sampled token and the top ``k``
       (of the raw model distribution); None = off.
+    - ``prompt_logprobs``: return the log-probability of every prompt token after the
+      first and the top ``k`` at each of those positions (``RequestOutput.
+      prompt_logprobs``), 0 to ``MAX_LOGPROBS``; None = off. With it, ``max_tokens`` may be
+      0: the prompt is scored and nothing is generated.
     - ``skip_special_tokens``: leave special tokens out of the text.
     - ``structured_outputs``: a ``StructuredOutputsParams`` the output must match (JSON
       schema, regex, choice, EBNF grammar, any JSON object); a mapping such as
@@ -87,6 +94,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
@@ -134,8 +142,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name}={v}: must be in [-2, 2]")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 1")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 1 (0 only "
+                             "with prompt_logprobs: scoring without generating)")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens}: must be >= 0")
         if self.min_tokens > self.max_tokens:
@@ -146,6 +155,10 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r}: must be an integer or None")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs={self.logprobs!r}: must be an integer >= 0 or None")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs={k!r}: must be an integer in "
+                             f"[0, {MAX_LOGPROBS}] or None")
         self._validate_stop()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):

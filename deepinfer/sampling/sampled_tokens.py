@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,16 +16,21 @@ class SampledTokens:
     ``pending``: the step's sampling not enqueued yet (a structured-output step, whose
     token mask needs the grammar matchers to have seen every earlier token): a callable
     that enqueues it and returns the ``SampledTokens`` it produced. ``finish_sampling()``
-    runs it; ``result()`` does so first if no one did."""
+    runs it; ``result()`` does so first if no one did.
+
+    ``prompt_scores``: a prompt step's scored rows (``deepinfer.prompt_scoring``), read at
+    launch; None when the step scored none."""
 
     def __init__(self, ids: torch.Tensor | None, logprobs: list | None,
                  host: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
-                 *, pending: Callable[[], SampledTokens] | None = None) -> None:
+                 *, pending: Callable[[], SampledTokens] | None = None,
+                 prompt_scores: Any = None) -> None:
         self._ids = ids
         self._host = host
         self._event = event
         self.logprobs = logprobs
         self._pending = pending
+        self.prompt_scores = prompt_scores
 
     @classmethod
     def deferred(cls, pending: Callable[[], SampledTokens]) -> SampledTokens:

@@ -133,10 +133,13 @@ def test_outputs_to_dict_is_json_ready():
         "request_id": "r1", "prompt": "say hi", "prompt_token_ids": [1, 2],
         "outputs": [{"index": 0, "text": "hi", "token_ids": [5, 6], "finish_reason": "stop",
                      "stop_reason": None, "logprobs": [{5: -0.1, 7: -2.0}, {6: -0.3}]}],
-        "finished": True,
+        "finished": True, "prompt_logprobs": None,
     }
     back = json.loads(json.dumps(d))
     assert back["outputs"][0]["logprobs"][0] == {"5": -0.1, "7": -2.0}
+    r.prompt_logprobs = [None, {2: -1.5, 9: -0.5}]
+    assert json.loads(json.dumps(r.to_dict()))["prompt_logprobs"] == [
+        None, {"2": -1.5, "9": -0.5}]
     assert c.finished()
     assert not CompletionOutput(0, "", [], None).finished()
     assert CompletionOutput(0, "", [], None).to_dict()["logprobs"] is None
