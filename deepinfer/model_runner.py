@@ -319,7 +319,7 @@ class ModelRunner:
         scores = None
         if b.score_rows.numel():
             scores = score_rows(self.model, hidden, self._to_device(b.score_rows),
-                                out.scores.targets, score_k, self.cfg.vocab_size)
+                                b.score_targets, score_k, self.cfg.vocab_size)
         if out.num_samples == 0:
             b.mark_copied()  # every copy out of the scheduler's host buffers is enqueued
             return SampledTokens(None, None, prompt_scores=scores)
@@ -408,9 +408,9 @@ class ModelRunner:
             return
         ids = self.channel.recv_ids(b.num_tokens, self.device) if step.ids_on_device else None
         hidden = self._run_model(step.is_prompt, b, ids)
-        if b.score_rows.numel():  # the leader gathers these rows' logits first
-            score_rows(self.model, hidden, self._to_device(b.score_rows), None, 0,
-                       self.cfg.vocab_size)
+        if b.score_rows.numel():  # the leader gathers these rows' scores first
+            score_rows(self.model, hidden, self._to_device(b.score_rows), b.score_targets,
+                       0, self.cfg.vocab_size)
         if b.logits_indices.numel():
             self.model.compute_logits(hidden[self._to_device(b.logits_indices)])
 

@@ -13,10 +13,10 @@ leader's device and broadcast over the device group, so no rank waits on the hos
 Header (int64): kind, is_prompt, T, B, W, S, clone pairs, max_query_len, max_seq_len,
 ids on the device, R (scored rows). Payload: input_ids [T], positions [T],
 slot_mapping [T], block_tables [B*W], seq_lens [B], query_start_loc [B+1],
-logits_indices [S], clone pairs [2N], score_rows [R] (every rank takes part in the
-logits gather of the rows a prompt step scores). Shared memory would be cheaper still on
-one node (0.1-0.2x of gloo in that benchmark) but needs followers that spin while they
-wait: not done yet.
+logits_indices [S], clone pairs [2N], score_rows [R], score_targets [R] (every rank
+scores its vocabulary block of the rows a prompt step scores). Shared memory would be
+cheaper still on one node (0.1-0.2x of gloo in that benchmark) but needs followers that
+spin while they wait: not done yet.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class StepChannel:
                          b.logits_indices.shape[0], clone.shape[0], b.max_query_len,
                          b.max_seq_len, int(ids_on_device), scored.shape[0])
         parts = [b.input_ids, b.positions, b.slot_mapping, bt.reshape(-1), b.seq_lens,
-                 b.query_start_loc, b.logits_indices, clone.reshape(-1), scored]
+                 b.query_start_loc, b.logits_indices, clone.reshape(-1), scored,
+                 b.score_targets]
         n = payload_size(b.num_tokens, bt.shape[0], bt.shape[1],
                          b.logits_indices.shape[0], clone.shape[0], scored.shape[0])
         if n <= INLINE - _HEADER:  # the usual case: one broadcast
@@ -125,7 +126,7 @@ class StepChannel:
 def payload_size(t: int, b: int, w: int, s: int, n_clone: int, r: int = 0) -> int:
     """Ints in the payload of a step of ``t`` tokens, ``b`` sequences, block tables ``w``
     wide, ``s`` samples, ``n_clone`` copy-on-write pairs and ``r`` scored rows."""
-    return 3 * t + b * w + 2 * b + 1 + s + 2 * n_clone + r
+    return 3 * t + b * w + 2 * b + 1 + s + 2 * n_clone + 2 * r
 
 
 def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: int,
@@ -134,8 +135,8 @@ def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: 
     """A payload (int64 ``[payload_size(...)]``, the module docstring's layout) -> the
     step's ``LaunchBatch`` (views of it, the scheduler's dtypes; no state slots: a
     follower does not sample) and its copy-on-write pairs ``[n_clone, 2]``."""
-    sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone, r]
-    ids, pos, slots, bt, lens, qsl, li, clone, scored = payload.split(sizes)
+    sizes = [t, t, t, b * w, b, b + 1, s, 2 * n_clone, r, r]
+    ids, pos, slots, bt, lens, qsl, li, clone, scored, targets = payload.split(sizes)
     i32 = torch.int32
     batch = LaunchBatch(
         input_ids=ids, positions=pos, slot_mapping=slots,
@@ -144,5 +145,5 @@ def unpack_step(payload: torch.Tensor, t: int, b: int, w: int, s: int, n_clone: 
         state_slots=torch.empty(0, dtype=torch.int64),
         sample_state_slots=torch.empty(0, dtype=torch.int64),
         max_query_len=max_query_len, max_seq_len=max_seq_len, num_tokens=t,
-        score_rows=scored)
+        score_rows=scored, score_targets=targets)
     return batch, clone.view(-1, 2)

@@ -47,6 +47,7 @@ class LaunchBatch:
     sample_state_slots int64 [S]    state slot of the sequence each sample belongs to
     score_rows         int64 [R]    prompt step: rows whose logits are scored against the
                                     next prompt token (``prompt_scores``); usually empty
+    score_targets      int64 [R]    the prompt token each scored row scores
     """
 
     input_ids: torch.Tensor
@@ -63,6 +64,7 @@ class LaunchBatch:
     num_tokens: int
     buffers: BatchBuffers | None = field(default=None, repr=False, compare=False)
     score_rows: torch.Tensor = field(default_factory=lambda: NO_ROWS)
+    score_targets: torch.Tensor = field(default_factory=lambda: NO_ROWS)
 
     @property
     def num_seqs(self) -> int:
@@ -121,7 +123,8 @@ class BatchBuffers:
         return self.block_tables_np[: b * w].reshape(b, w)
 
     def make(self, t: int, b: int, w: int, s: int, max_query_len: int,
-             max_seq_len: int, score_rows: torch.Tensor = NO_ROWS) -> LaunchBatch:
+             max_seq_len: int, score_rows: torch.Tensor = NO_ROWS,
+             score_targets: torch.Tensor = NO_ROWS) -> LaunchBatch:
         """Tensors over the first t tokens / b sequences / s samples of the buffers. The
         batch of a size seen before is reused, its two lengths updated (same memory;
         nine slices and the dataclass cost ~20 us, and decode steps repeat their sizes):
@@ -141,7 +144,7 @@ class BatchBuffers:
         else:
             batch.max_query_len = max_query_len
             batch.max_seq_len = max_seq_len
-        batch.score_rows = score_rows
+        batch.score_rows, batch.score_targets = score_rows, score_targets
         return batch
 
 
@@ -177,13 +180,13 @@ class BatchBuilder:
 
     def prefill(self, sched: list[tuple[Sequence, int, int]], slots: np.ndarray,
                 sample_rows: list[int], sample_slots: list[int],
-                score_rows: torch.Tensor | None = None) -> LaunchBatch:
+                scores: Any = None) -> LaunchBatch:
         """Prompt step: ``sched`` holds ``(seq, first new token, number of new tokens)``
         per sequence in batch order, ``slots`` (int64 [B]) their state slots (the KV rows
         already cover every new token). ``sample_rows[k]``: batch index of the sequence
         sample k reads its logits from (its last new token); ``sample_slots[k]``: the state
-        slot of the sequence sample k belongs to. ``score_rows``: the rows scored
-        (``prompt_scores``), None for none."""
+        slot of the sequence sample k belongs to. ``scores``: the rows scored and their
+        targets (``prompt_scores.ScoreRows``), None for none."""
         bs = self._kv.block_size
         tables = self._kv.tables
         nb = len(sched)
@@ -213,8 +216,10 @@ class BatchBuilder:
         if ns:
             np.subtract(qsl[1:][sample_rows], 1, out=buf.logits_indices_np[:ns])
             buf.sample_state_slots_np[:ns] = sample_slots
-        return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()),
-                        NO_ROWS if score_rows is None else score_rows)
+        if scores is None:
+            return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()))
+        return buf.make(t, nb, w, ns, int(lens.max()), int(seq_lens.max()), scores.rows,
+                        scores.targets)
 
     def decode(self, slots: np.ndarray, ntok: np.ndarray, slot_mapping: np.ndarray,
                max_len: int, last_token: np.ndarray, rows: object) -> LaunchBatch:

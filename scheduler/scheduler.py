@@ -289,8 +289,7 @@ class Scheduler:
         self._run_rows = None
         sample_slots = [s.slot for s in sample_seqs]
         scores = score_rows(sched)
-        batch = self._batches.prefill(sched, slots, sample_rows, sample_slots,
-                                      None if scores is None else scores.rows)
+        batch = self._batches.prefill(sched, slots, sample_rows, sample_slots, scores)
         if sample_slots:
             self.state_manager.advance(np.array(sample_slots, dtype=np.int64))
         return self._outputs(True, seqs, sample_seqs, batch, None, scores=scores)

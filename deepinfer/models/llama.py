@@ -222,12 +222,17 @@ class LlamaForCausalLM(nn.Module):
             return backend.rms_norm(x, norm.weight, norm.eps)
         return backend.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden_size]`` -> this rank's block of the vocabulary's logits
+        ``[N, vocab_size / tp]`` (rows ``tp.rank * vocab_size / tp`` on), hidden's dtype."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return self.model.embed_tokens.attend(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32 (None on a
         TP rank other than the leader: the vocabulary shards are gathered there)."""
-        head = self.lm_head(hidden) if self.lm_head is not None else (
-            self.model.embed_tokens.attend(hidden))
-        logits = self.tp.gather_to_leader(head)
+        logits = self.tp.gather_to_leader(self.shard_logits(hidden))
         return None if logits is None else logits.float()
 
     # ------------------------------------------------------------------ weights

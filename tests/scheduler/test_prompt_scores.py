@@ -23,12 +23,14 @@ def _drive(sched, runner: FakeRunner) -> dict[str, list[int]]:
         b = out.batch
         if not out.is_prompt:
             assert out.scores is None and b.score_rows.numel() == 0
+            assert b.score_targets.numel() == 0
         elif out.scores is None:
             assert b.score_rows.numel() == 0
         else:
             rows = out.scores.rows.tolist()
             assert b.score_rows.tolist() == rows
             targets = out.scores.targets.tolist()
+            assert b.score_targets.tolist() == targets
             ids, pos = b.input_ids.numpy(), b.positions.numpy()
             r = 0
             for seq, first, count in out.scores.owners:
