@@ -112,3 +112,22 @@ def test_echo_end_to_end_matches_transformers(tmp_path, smollm2_path, hf_smollm2
     assert "".join(glp["tokens"]) == gen["text"]
     text = recs["text"]["response"]["body"]["choices"][0]
     assert text["text"].startswith(prompt) and text["logprobs"] is None
+
+
+def test_native_lines_with_bad_prompt_logprobs_fail_alone(tmp_path, tiny_checkpoints):
+    lines = [{"id": "ok", "prompt": "hello world", "prompt_logprobs": 1, "max_tokens": 0},
+             {"id": "over", "prompt": "hello", "prompt_logprobs": 21},
+             {"id": "negative", "prompt": "hello", "prompt_logprobs": -1},
+             {"id": "zero", "prompt": "hello", "max_tokens": 0}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out.jsonl"
+    rc = main(["--input", str(inp), "--output", str(out), "--model",
+               tiny_checkpoints["llama3"].path, "--device", "cpu", "--no-progress"])
+    assert rc == 1
+    recs = {r["id"]: r for r in _read(out)}
+    assert recs["ok"]["outputs"][0]["token_ids"] == []
+    assert recs["ok"]["prompt_logprobs"][0] is None and len(recs["ok"]["prompt_logprobs"]) > 1
+    for rid, field in (("over", "prompt_logprobs=21"), ("negative", "prompt_logprobs=-1"),
+                       ("zero", "max_tokens=0")):
+        assert field in recs[rid]["error"], recs[rid]
