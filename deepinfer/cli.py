@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from dataclasses import fields
@@ -27,6 +28,7 @@ from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.tokenizer import check_template_kwargs
 
 # Exit status after Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted).
 EXIT_INTERRUPTED = 130
@@ -87,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--chat", action="store_true",
                    help="apply the chat template to plain prompts (.txt/.jsonl; in an "
                    "OpenAI batch file each line's url decides)")
+    j.add_argument("--chat-template-kwargs", type=_template_kwargs, default=None,
+                   metavar="JSON", help="variables for the chat template of every chat "
+                   "line, e.g. '{\"enable_thinking\": false}' (a line's own "
+                   "chat_template_kwargs win, key by key)")
     j.add_argument("--format", choices=FORMATS, default="auto",
                    help="input/output format (auto: OpenAI batch when the first line has "
                    "custom_id and body)")
@@ -125,6 +131,15 @@ def check_output_path(input_path: str, output: str) -> None:
 # max_model_len).
 NATIVE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 OPENAI_DEFAULTS = {"max_tokens": 1 << 62, "temperature": 1.0}
+
+
+def _template_kwargs(text: str) -> dict:
+    """``--chat-template-kwargs``: a JSON object of template variables (argparse exits 2
+    naming the flag otherwise)."""
+    try:
+        return check_template_kwargs(json.loads(text), "--chat-template-kwargs")
+    except (json.JSONDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {e}") from None
 
 
 def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> SamplingParams:

@@ -139,15 +139,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int] | None, params: SamplingParams, *,
-                    messages: list[dict[str, str]] | None = None) -> None:
+                    messages: list[dict[str, str]] | None = None,
+                    chat_template_kwargs: dict | None = None) -> None:
         """Queue one request given as text (``prompt``), token ids, or a chat
-        (``messages``, the model's chat template applied). Raises ``ValueError`` naming it
-        if it is malformed or can never run; nothing is queued then."""
+        (``messages``, the model's chat template applied, with ``chat_template_kwargs`` as
+        its variables). Raises ``ValueError`` naming it if it is malformed or can never
+        run; nothing is queued then."""
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         if messages is not None:
-            prompt_token_ids = apply_chat_template(self.tokenizer, messages)
+            prompt_token_ids = apply_chat_template(self.tokenizer, messages,
+                                                   chat_template_kwargs)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError(f"request {request_id!r}: needs a prompt or prompt_token_ids")

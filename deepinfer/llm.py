@@ -103,11 +103,15 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then ``generate``."""
+             use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then ``generate``.
+        ``chat_template_kwargs``: variables for the template (``{"enable_thinking":
+        False}`` for Qwen3's); ``ValueError`` naming it when malformed."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # one conversation
-        token_lists = [apply_chat_template(self.tokenizer, list(m)) for m in messages]
+        token_lists = [apply_chat_template(self.tokenizer, list(m), chat_template_kwargs)
+                       for m in messages]
         params = self._params_per_prompt(sampling_params, len(token_lists))
         return self._run(token_lists, params, use_tqdm)
 

@@ -101,9 +101,31 @@ _USER_DEFINED = 4
 _GPT2_DEFAULT_SPLIT = frozenset({"default", "gpt2", "smollm"})
 
 
-def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+#: Arguments of ``apply_chat_template`` itself, not of the template: never passed through.
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "return_dict",
+                                "return_tensors", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` as a dict of variables for the chat template (``enable_thinking``, ...);
+    ``ValueError`` naming ``name`` when it is not an object with string keys, or sets one
+    of ``apply_chat_template``'s own arguments."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"{name}: must be an object of template variables, got "
+                         f"{kwargs!r}")
+    bad = sorted(_TEMPLATE_RESERVED & set(kwargs))
+    if bad:
+        raise ValueError(f"{name}.{bad[0]}: not a template variable")
+    return dict(kwargs)
+
+
+def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]],
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ending with the
-    assistant generation prompt.
+    assistant generation prompt. ``template_kwargs``: variables the template reads
+    (``enable_thinking`` for Qwen3's, ...; :func:`check_template_kwargs`).
 
     The template is rendered to text and encoded without extra special tokens: templates
     that write the BOS themselves would otherwise get it twice. A template that raises
@@ -116,8 +138,8 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> l
     from jinja2.exceptions import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=True)
+        kwargs = {"add_generation_prompt": True, **check_template_kwargs(template_kwargs)}
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
     except TemplateError as e:  # e.g. "roles must alternate": that request's error
         raise ValueError(f"the chat template refuses these messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=False)

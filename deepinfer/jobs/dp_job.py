@@ -125,7 +125,8 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     target = ReplicaTarget(engine, layout, groups.leaders, cdev)
     # Created even when empty: rank 0 checks that it can see every replica's part file.
     with open(part_path(args.output, layout.replica), "a", encoding="utf-8") as out:
-        mine_summary = run_requests(target, to_requests(mine, default_params, args.chat),
+        mine_summary = run_requests(target, to_requests(mine, default_params, args.chat,
+                                           template_kwargs=args.chat_template_kwargs),
                                     out, fmt, show=args.show,
                                     progress=not args.no_progress and rank0)
     engine.close()  # the followers leave their loop

@@ -24,6 +24,7 @@ from typing import Any
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
+from deepinfer.tokenizer import check_template_kwargs
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 Messages = list[dict[str, str]]
@@ -42,6 +43,7 @@ class InputRecord:
     api: str | None = None  # OpenAI batch format: "chat" or "completion"
     model: str | None = None  # OpenAI batch format: the line's body.model
     echo: bool = False  # OpenAI completions: the prompt leads the text and the logprobs
+    chat_template_kwargs: dict[str, Any] | None = None  # the line's template variables
 
     @property
     def shown_prompt(self) -> str | Messages | None:
@@ -101,14 +103,16 @@ def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
     overrides = dict(overrides)
     overrides.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
     unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params",
-                                          "response_format"}
+                                          "response_format", "chat_template_kwargs"}
     if unknown:
         return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
     try:
         structured_overrides(overrides, obj.get("response_format"))
+        kwargs = check_template_kwargs(obj.get("chat_template_kwargs"))
     except ValueError as e:
         return InputRecord(id=rid, error=f"line {lineno}: {e}")
-    return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides)
+    return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides,
+                       chat_template_kwargs=kwargs or None)
 
 
 def structured_overrides(overrides: dict[str, Any], response_format: Any) -> None:
@@ -162,14 +166,17 @@ class JobRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     error: str | None = None
     shown: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def to_requests(records: list[InputRecord], default_params: SamplingParams, chat: bool,
-                check: Callable[[str, SamplingParams], None] | None = None
-                ) -> list[JobRequest]:
+                check: Callable[[str, SamplingParams], None] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[JobRequest]:
     """One ``JobRequest`` per record, in order (``resolve_record``); a bad line, invalid
     sampling values or a ``ValueError`` from ``check(id, params)`` (what a run mode
-    cannot serve) give a request with ``error`` set."""
+    cannot serve) give a request with ``error`` set. ``template_kwargs``: the chat
+    template variables of every chat record (``--chat-template-kwargs``), a record's
+    own taking precedence key by key."""
     requests = []
     for rec in records:
         if rec.error is not None:
@@ -182,6 +189,8 @@ def to_requests(records: list[InputRecord], default_params: SamplingParams, chat
         except ValueError as e:
             requests.append(JobRequest(rec.id, error=str(e)))
             continue
+        kwargs = {**(template_kwargs or {}), **(rec.chat_template_kwargs or {})}
         requests.append(JobRequest(rec.id, prompt=prompt, messages=messages, params=params,
-                                   shown=rec.shown_prompt))
+                                   shown=rec.shown_prompt,
+                                   chat_template_kwargs=kwargs if messages else None))
     return requests

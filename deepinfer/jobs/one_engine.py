@@ -33,7 +33,8 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
     engine = LLMEngine(engine_args)
     with open(args.output, "a", encoding="utf-8") as out:
         summary = run_requests(RunTarget(engine),
-                               to_requests(pending, default_params, args.chat), out, fmt,
+                               to_requests(pending, default_params, args.chat,
+                                           template_kwargs=args.chat_template_kwargs), out, fmt,
                                show=args.show, progress=not args.no_progress)
     if fmt is not NATIVE:
         merge_outputs(args.output, input_order(r.id for r in inputs), [])

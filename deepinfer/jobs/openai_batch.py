@@ -38,6 +38,7 @@ from deepinfer.jobs.input_records import SAMPLING_KEYS, InputRecord, structured_
 from deepinfer.jobs.resume_keys import OPENAI_ID_PREFIX, openai_success
 from deepinfer.sampling.params import MAX_LOGPROBS
 from deepinfer.token_bytes import TokenBytes
+from deepinfer.tokenizer import check_template_kwargs
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # Body fields taken as sampling overrides under their own name (OpenAI's and vLLM's).
@@ -123,6 +124,8 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
         return bad("'body' must be an object")
     try:
         prompt, messages, overrides = _body_fields(body, url == CHAT_URL)
+        kwargs = check_template_kwargs(body.get("chat_template_kwargs"),
+                                       "body.chat_template_kwargs")
     except ValueError as e:
         return bad(str(e))
     model = body.get("model")
@@ -130,7 +133,7 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
                        overrides=overrides, custom_id=cid,
                        api="chat" if url == CHAT_URL else "completion",
                        model=model if isinstance(model, str) and model else None,
-                       echo=body.get("echo") is True)
+                       echo=body.get("echo") is True, chat_template_kwargs=kwargs or None)
 
 
 def _body_fields(body: dict[str, Any], chat: bool
@@ -167,6 +170,9 @@ def _body_fields(body: dict[str, Any], chat: bool
             used.discard(key)
     echo = body.get("echo")
     used.discard("echo")
+    if "chat_template_kwargs" in body and not chat:  # vLLM's extension of a chat body
+        raise ValueError("body.chat_template_kwargs: only for /v1/chat/completions")
+    used.discard("chat_template_kwargs")
     if echo is not None and (chat or not isinstance(echo, bool)):
         raise ValueError("body.echo: only true or false, and only for /v1/completions "
                          "(a chat completion does not echo its messages)")

@@ -161,7 +161,9 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
         with open(args.output, "a", encoding="utf-8") as out:
             shown, failed = submit_requests(
                 requests.append, to_requests(pending, default_params, args.chat,
-                                             check=check_pd_params), out, fmt)
+                                             check=check_pd_params,
+                                             template_kwargs=args.chat_template_kwargs),
+                out, fmt)
         payload = [(requests, failed, input_order(r.id for r in inputs), fmt)]
     dist.broadcast_object_list(payload, src=0)
     requests, failed, order, fmt = payload[0]

@@ -36,7 +36,8 @@ class RunTarget:
         """Queue ``req`` on the engine (the engine's admission: chat template, length
         fit); ``ValueError`` when it can never run."""
         self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids,
-                                req.params, messages=req.messages)
+                                req.params, messages=req.messages,
+                                chat_template_kwargs=req.chat_template_kwargs)
 
     def total(self, queued: int) -> int:
         """The progress bar's total when this process queued ``queued`` requests."""
