@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.quantized import weight_bytes
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import RequestOutput
 from deepinfer.request_state import (
     AdmissionLimits,
     RequestState,
@@ -172,7 +172,8 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = RequestState(request_id, prompt, list(prompt_token_ids), params,
-                           frozenset(stop_ids))
+                           frozenset(stop_ids), thinking=(chat_template_kwargs or {}).get(
+                               "enable_thinking", True) is not False)
         if params.structured_outputs is not None:
             # Parked until its grammar is compiled (_launch queues it), checked now as
             # _queue will: a request that can never run fails here, alone.
@@ -226,7 +227,7 @@ class LLMEngine:
             output_token_ids=list(seq.output_token_ids), params=req.params,
             stop_token_ids=sorted(req.stop_token_ids),
             logprobs=st.logprobs, num_blocks=len(seq.blocks),
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=req.prompt_logprobs, thinking=req.thinking,
         )
 
     def release_exported(self, seq: Sequence) -> None:
@@ -247,7 +248,8 @@ class LLMEngine:
         if seq is None:
             return None
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
-                           frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs)
+                           frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs,
+                           thinking=exp.thinking)
         self.requests[exp.request_id] = req
         if params.structured_outputs is not None:
             self.structured.add(exp.request_id, params.structured_outputs,
@@ -398,7 +400,7 @@ class LLMEngine:
                 st.finish_reason = seq.finish_reason or "stop"
                 req.num_finished += 1
             if req.num_finished == req.params.n:
-                done.append(self._request_output(req))
+                done.append(req.output(self.tokenizer, self.args.reasoning_parser))
                 del self.requests[req.request_id]
                 self._forget(req)
         return done
@@ -430,20 +432,3 @@ class LLMEngine:
                 # The last allowed token completed a stop string: the text ends there,
                 # so the reason is the stop string (as vLLM reports it).
                 seq.finish_reason = "stop"
-
-    def _request_output(self, req: RequestState) -> RequestOutput:
-        keep = req.params.max_tokens  # 0: scored only, the prompt step's token dropped
-        outs = [
-            CompletionOutput(
-                index=i, text=req.text_of(st, self.tokenizer) if keep else "",
-                token_ids=st.seq.output_token_ids[:keep],
-                finish_reason=st.finish_reason if keep else "length",
-                logprobs=None if st.logprobs is None else st.logprobs[:keep],
-                stop_reason=req.stop_reason_of(st) if keep else None)
-            for i, st in sorted(req.samples.items())
-        ]
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=True,
-            prompt_logprobs=req.prompt_logprobs,
-        )

@@ -15,6 +15,9 @@ from typing import Any
 QUANTIZATION_CHOICES = ("auto", "none")
 
 
+#: Values of ``EngineArgs.reasoning_parser`` (``deepinfer.reasoning``).
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
 def option(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
            flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
     """A dataclass field with its command-line declaration in the metadata. ``type``: the
@@ -47,6 +50,9 @@ class EngineArgs:
         None, "CPU, dense bf16 weights: a oneDNN-packed copy of each, made on first use, "
         "for products of 8 rows or more (default: where the copies fit in a quarter of "
         "the available memory)", type=bool)
+    reasoning_parser: str | None = option(
+        None, "split a thinking model's <think>...</think> from its answer: qwen3 or "
+        "deepseek_r1 (default: none)", type=str, choices=REASONING_PARSERS)
     device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
     attention_backend: str = option(
         "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",
@@ -86,6 +92,9 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization={self.quantization!r}: expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r}: expected one of "
+                             f"{', '.join(REASONING_PARSERS)} or None")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

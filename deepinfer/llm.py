@@ -14,7 +14,6 @@ from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -110,10 +109,9 @@ class LLM:
         False}`` for Qwen3's); ``ValueError`` naming it when malformed."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # one conversation
-        token_lists = [apply_chat_template(self.tokenizer, list(m), chat_template_kwargs)
-                       for m in messages]
-        params = self._params_per_prompt(sampling_params, len(token_lists))
-        return self._run(token_lists, params, use_tqdm)
+        convs = [list(m) for m in messages]
+        params = self._params_per_prompt(sampling_params, len(convs))
+        return self._run(convs, params, use_tqdm, chat_template_kwargs)
 
     @staticmethod
     def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
@@ -127,8 +125,8 @@ class LLM:
                              "pass one SamplingParams or one per prompt")
         return sp
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt] | list[Messages], params: list[SamplingParams],
+             use_tqdm: bool, template_kwargs: dict | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
@@ -136,6 +134,9 @@ class LLM:
             for rid, prompt, sp in zip(ids, prompts, params):
                 if isinstance(prompt, str):
                     engine.add_request(rid, prompt, None, sp)
+                elif prompt and isinstance(prompt[0], dict):  # a conversation (chat)
+                    engine.add_request(rid, None, None, sp, messages=prompt,
+                                       chat_template_kwargs=template_kwargs)
                 elif isinstance(prompt, (list, tuple)):
                     engine.add_request(rid, None, list(prompt), sp)
                 else:

@@ -27,6 +27,8 @@ class CompletionOutput:
     (``max_tokens`` or the model's length limit), ``"abort"``, or None while running.
     ``logprobs``: None unless ``SamplingParams.logprobs`` was set. ``stop_reason``: the
     stop string or ``stop_token_ids`` entry that ended it (None otherwise: EOS too).
+    ``reasoning``: with a reasoning parser, the thinking split from ``text`` (None when
+    there is none).
     """
 
     index: int
@@ -35,6 +37,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: SampleLogprobs | None = None
     stop_reason: str | int | None = None
+    reasoning: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -48,6 +51,7 @@ class CompletionOutput:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
             "logprobs": None if self.logprobs is None else logprob_dicts(self.logprobs),
+            "reasoning": self.reasoning,
         }
 
 

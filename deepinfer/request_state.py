@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
+from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.prompt_scoring import PromptScores
+from deepinfer.reasoning import split_reasoning
 from deepinfer.sampling.params import SamplingParams
 from deepinfer_scheduler import Sequence
 from deepinfer_scheduler.prompt_scores import ScoreRows
@@ -53,6 +55,8 @@ class RequestState:
     #: With ``params.prompt_logprobs``: None for the first prompt token, then one entry per
     #: prompt token scored so far (in order); else None.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: False when the chat template was told ``enable_thinking: false``.
+    thinking: bool = True
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -76,6 +80,26 @@ class RequestState:
         st = SampleState(seq, detok, [] if p.logprobs is not None else None)
         self.samples[seq.sample_index] = st
         return st, True
+
+    def output(self, tokenizer: Any, reasoning_parser: str | None = None) -> RequestOutput:
+        """The finished request's ``RequestOutput``. ``max_tokens=0`` (scored only): the
+        prompt step's token is dropped. ``reasoning_parser``: each text's reasoning split
+        from its answer (``deepinfer.reasoning``)."""
+        keep = self.params.max_tokens
+        outs = []
+        for i, st in sorted(self.samples.items()):
+            text = self.text_of(st, tokenizer) if keep else ""
+            reasoning = None
+            if reasoning_parser is not None:
+                reasoning, text = split_reasoning(text, reasoning_parser, self.thinking)
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=st.seq.output_token_ids[:keep],
+                finish_reason=st.finish_reason if keep else "length",
+                logprobs=None if st.logprobs is None else st.logprobs[:keep],
+                stop_reason=self.stop_reason_of(st) if keep else None, reasoning=reasoning))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids, outputs=outs,
+                             finished=True, prompt_logprobs=self.prompt_logprobs)
 
     def stop_reason_of(self, st: SampleState) -> str | int | None:
         """What stopped a sample, as vLLM reports it: the stop string that matched, or the
@@ -114,6 +138,7 @@ class SequenceExport:
     logprobs: list[dict[int, float]] | None
     num_blocks: int
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    thinking: bool = True
 
 
 def fit_to_model_len(request_id: str, prompt_len: int, p: SamplingParams,

@@ -257,6 +257,8 @@ class OpenAIFormat:
                                           o, chat, top or 0, res if rec.echo else None)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
+                if o.reasoning is not None:  # vLLM's run-batch field
+                    choice["message"]["reasoning"] = o.reasoning
             else:
                 choice["text"] = (rec.prompt or "") + o.text if rec.echo else o.text
             choices.append(choice)

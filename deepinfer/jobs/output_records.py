@@ -64,6 +64,8 @@ def result_record(res) -> dict[str, Any]:
         out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
         if o.stop_reason is not None:
             out["stop_reason"] = o.stop_reason
+        if getattr(o, "reasoning", None) is not None:
+            out["reasoning"] = o.reasoning
         if o.logprobs is not None:
             out["logprobs"] = [_json_logprobs(d) for d in o.logprobs]
         outputs.append(out)

@@ -132,7 +132,8 @@ def test_outputs_to_dict_is_json_ready():
     assert d == {
         "request_id": "r1", "prompt": "say hi", "prompt_token_ids": [1, 2],
         "outputs": [{"index": 0, "text": "hi", "token_ids": [5, 6], "finish_reason": "stop",
-                     "stop_reason": None, "logprobs": [{5: -0.1, 7: -2.0}, {6: -0.3}]}],
+                     "stop_reason": None, "logprobs": [{5: -0.1, 7: -2.0}, {6: -0.3}],
+                     "reasoning": None}],
         "finished": True, "prompt_logprobs": None,
     }
     back = json.loads(json.dumps(d))
