@@ -18,6 +18,7 @@ QUANTIZATION_CHOICES = ("auto", "none")
 #: Values of ``EngineArgs.reasoning_parser`` (``deepinfer.reasoning``).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
+
 def option(default: Any, help: str, *, type: Any = None, choices: tuple | None = None,
            flag: str | None = None, aliases: tuple[str, ...] = (), cli: bool = True) -> Any:
     """A dataclass field with its command-line declaration in the metadata. ``type``: the

@@ -41,13 +41,21 @@ class PromptScores:
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
 
-    def entry(self, row: int, target: int, k: int) -> dict[int, float]:
-        """``{token: logprob}`` of one row: its target, then its top ``k`` (a target among
-        them is listed once)."""
-        d = {target: float(self.target_logprobs[row])}
-        for t, lp in zip(self.top_ids[row, :k].tolist(), self.top_logprobs[row, :k].tolist()):
-            d.setdefault(t, lp)
-        return d
+    def entries(self, first: int, targets: list[int], k: int) -> list[dict[int, float]]:
+        """``{token: logprob}`` of rows ``first .. first + len(targets) - 1``: each row's
+        target, then its top ``k`` (a target among them listed once). One host read of
+        those rows, not one per number."""
+        end = first + len(targets)
+        lps = self.target_logprobs[first:end].tolist()
+        ids = self.top_ids[first:end, :k].tolist()
+        tops = self.top_logprobs[first:end, :k].tolist()
+        out = []
+        for target, lp, row_ids, row_lps in zip(targets, lps, ids, tops):
+            d = {target: lp}
+            for t, v in zip(row_ids, row_lps):
+                d.setdefault(t, v)
+            out.append(d)
+        return out
 
 
 def score_rows(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor,

@@ -210,7 +210,6 @@ def record_prompt_scores(requests: dict[str, RequestState], rows: ScoreRows,
             if len(req.prompt_logprobs) != first + 1:  # the scheduler scores in order, once
                 raise RuntimeError(f"request {seq.request_id!r}: prompt position {first} "
                                    f"scored after {len(req.prompt_logprobs) - 1} positions")
-            k = req.params.prompt_logprobs
-            req.prompt_logprobs += [scores.entry(r + j, targets[r + j], k)
-                                    for j in range(count)]
+            req.prompt_logprobs += scores.entries(r, targets[r:r + count],
+                                                  req.params.prompt_logprobs)
         r += count

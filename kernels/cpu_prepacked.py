@@ -77,7 +77,7 @@ class PackedWeight:
     def _current(self) -> torch.Tensor:
         w = self._weight
         key = (w.data_ptr(), w._version)
-        if key != self._key or self._packed is None:
+        if key != self._key:
             self._packed = None  # the stale copy freed before the new one is made
             self._packed = self._reorder(w.detach(), PACK_ROWS_HINT)
             self._key = key

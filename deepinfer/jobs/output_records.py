@@ -64,13 +64,13 @@ def result_record(res) -> dict[str, Any]:
         out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
         if o.stop_reason is not None:
             out["stop_reason"] = o.stop_reason
-        if getattr(o, "reasoning", None) is not None:
+        if o.reasoning is not None:
             out["reasoning"] = o.reasoning
         if o.logprobs is not None:
             out["logprobs"] = [_json_logprobs(d) for d in o.logprobs]
         outputs.append(out)
     record = {"id": res.request_id, "outputs": outputs}
-    if getattr(res, "prompt_logprobs", None) is not None:
+    if res.prompt_logprobs is not None:
         record["prompt_logprobs"] = [None if d is None else _json_logprobs(d)
                                      for d in res.prompt_logprobs]
     return record

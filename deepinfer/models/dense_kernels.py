@@ -58,18 +58,16 @@ def bind_dense_kernels(model: nn.Module, prepack: bool | None = None) -> int:
     (``packed_weight``, made on first use) for products of ``PACKED_MIN_M`` rows or more;
     None: where this torch has the packed linear and the copies would take at most
     ``PREPACK_MEMORY_SHARE`` of the available memory."""
-    usable = [m for m in model.modules() if _dense(m) and dense_gemm_usable(m.weight)]
+    dense = [m for m in model.modules() if _dense(m)]
+    usable = [m for m in dense if dense_gemm_usable(m.weight)]
     pack = _want_prepack(usable, prepack)
-    bound = 0
-    for module in model.modules():
-        if not _dense(module):
-            continue
-        packed = (PackedWeight(module.weight) if pack and dense_gemm_usable(module.weight)
-                  else None)
-        module.packed_weight = packed
-        module.bound_matmul = bind_dense_matmul(module.weight, packed)
-        bound += module.bound_matmul is not None
-    return bound
+    for module in dense:
+        module.packed_weight = None
+        module.bound_matmul = None
+    for module in usable:
+        module.packed_weight = PackedWeight(module.weight) if pack else None
+        module.bound_matmul = bind_dense_matmul(module.weight, module.packed_weight)
+    return len(usable)
 
 
 def dense_bf16_weight(module: nn.Module) -> torch.Tensor | None:
