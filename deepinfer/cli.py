@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "temperature 1 and the rest of the context)")
     s.add_argument("--max-tokens", type=int, default=None)
     s.add_argument("--temperature", type=float, default=None)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
     s.add_argument("--seed", type=int, default=None, dest="request_seed",
                    help="the seed of every line without its own (each line then samples "
                    "reproducibly alone; --engine-seed seeds the run's stream instead)")
@@ -143,15 +143,14 @@ def _template_kwargs(text: str) -> dict:
 
 
 def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> SamplingParams:
-    """The CLI's default sampling (flags given, else the format's defaults); per-record
-    overrides are applied on top."""
-    defaults = OPENAI_DEFAULTS if openai else NATIVE_DEFAULTS
-    return SamplingParams(
-        max_tokens=defaults["max_tokens"] if args.max_tokens is None else args.max_tokens,
-        temperature=(defaults["temperature"] if args.temperature is None
-                     else args.temperature),
-        top_p=args.top_p, top_k=args.top_k, seed=args.request_seed, n=args.n,
-    )
+    """The CLI's default sampling; per-record overrides are applied on top. The flags
+    given are set; the format's defaults stay ``unset``, so the model's
+    ``generation_config.json`` comes before them (line > flag > model > built-in)."""
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k}
+    base = SamplingParams.defaults(**(OPENAI_DEFAULTS if openai else NATIVE_DEFAULTS),
+                                   seed=args.request_seed, n=args.n)
+    return base.replace(**{k: v for k, v in flags.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # The sampling keys of generation_config.json (SamplingParams names), unchecked.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)

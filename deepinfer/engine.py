@@ -2,14 +2,12 @@
 
 ``LLMEngine.step()`` is one scheduler step: ``schedule()`` -> ``ModelRunner.launch()`` ->
 wait for the sampled ids -> ``Scheduler.update()`` -> stop strings, logprobs, finished
-requests. ``drain()`` is the one loop that steps until the work is done; ``LLM`` (llm.py),
-the one-engine and DP jobs drive it. With ``async_scheduling`` it keeps one step in
-flight: step k+1 is scheduled and launched before step k's ids reach the host, so the
-host's work hides behind the device's (docs/scheduling.md, "Overlapped scheduling").
-``export_sequence`` / ``import_sequence`` move a prefilled sequence between engines
-(disaggregated prefill/decode). Constrained requests (``structured_outputs``, through
-``deepinfer.structured.matchers``) wait for their grammar and are masked each step; with
-overlap, a constrained step samples once the step before it landed (docs/scheduling.md).
+requests. ``drain()`` steps until the work is done (``LLM``, the one-engine and DP jobs
+drive it); with ``async_scheduling`` step k+1 is launched before step k's ids reach the
+host (docs/scheduling.md, "Overlapped scheduling"). ``export_sequence`` /
+``import_sequence`` move a prefilled sequence between engines (disaggregated
+prefill/decode). Grammars (``structured_outputs``) and multi-token bad words are masked
+on the host (``deepinfer.step_masks``), the rest of the steering on the device.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.quantized import weight_bytes
 from deepinfer.outputs import RequestOutput
+from deepinfer.reasoning import reasoning_end_token
 from deepinfer.request_state import (
     AdmissionLimits,
     RequestState,
@@ -32,9 +31,11 @@ from deepinfer.request_state import (
     prompt_score_k,
     record_prompt_scores,
 )
-from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.params import SamplingParams, checked_defaults
 from deepinfer.sampling.sampled_tokens import SampledTokens
+from deepinfer.sampling.steering import resolve_steering
 from deepinfer.sampling.step_sampling import StepSampling
+from deepinfer.step_masks import StepMasks
 from deepinfer.structured.matchers import StructuredOutputs
 from deepinfer.tokenizer import apply_chat_template, load_tokenizer
 from deepinfer.worker import TensorParallel, build_worker
@@ -102,6 +103,11 @@ class LLMEngine:
                                  else args.async_scheduling)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.masks = StepMasks(self.structured, cfg.vocab_size)
+        self.reasoning_end = reasoning_end_token(self.tokenizer, args.reasoning_parser)
+        # generation_config.json's sampling defaults, for the fields a request leaves out.
+        self.sampling_defaults = checked_defaults(
+            cfg.generation_defaults if args.generation_config == "auto" else {})
         self.requests: dict[str, RequestState] = {}
         self.admission = AdmissionLimits(self.max_model_len)  # PD: also the decode side's
         # Requests finished by a step completed while no one was iterating (drain closed
@@ -167,22 +173,26 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
             )
-        params = self.admission.fit(request_id, len(prompt_token_ids), params)
+        params = self.admission.fit(request_id, len(prompt_token_ids),
+                                    params.with_defaults(self.sampling_defaults))
+        steering = resolve_steering(request_id, params, self.tokenizer, vocab)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = RequestState(request_id, prompt, list(prompt_token_ids), params,
                            frozenset(stop_ids), thinking=(chat_template_kwargs or {}).get(
-                               "enable_thinking", True) is not False)
+                               "enable_thinking", True) is not False, steering=steering)
         if params.structured_outputs is not None:
             # Parked until its grammar is compiled (_launch queues it), checked now as
             # _queue will: a request that can never run fails here, alone.
             validate_request(self.scheduler.config, request_id, req.prompt_token_ids,
                              params.max_tokens, n=params.n, min_tokens=params.min_tokens,
                              max_live=self.scheduler.state_manager.max_live)
-            self.structured.add(request_id, params.structured_outputs, stop_ids)
+            self.structured.add(request_id, params.structured_outputs, stop_ids,
+                                after=self.reasoning_end if req.thinking else None)
         else:
             self._queue(req)
+        self.masks.watch(request_id, steering, params.structured_outputs is not None)
         self.requests[request_id] = req
         self.stats.num_requests += 1
 
@@ -247,13 +257,16 @@ class LLMEngine:
             stop_token_ids=exp.stop_token_ids, min_tokens=params.min_tokens)
         if seq is None:
             return None
+        steering = resolve_steering(exp.request_id, params, self.tokenizer,
+                                    self.model_config.vocab_size)
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
                            frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs,
-                           thinking=exp.thinking)
+                           thinking=exp.thinking, steering=steering)
         self.requests[exp.request_id] = req
         if params.structured_outputs is not None:
-            self.structured.add(exp.request_id, params.structured_outputs,
-                                exp.stop_token_ids, park=False)
+            self.structured.add(exp.request_id, params.structured_outputs, exp.stop_token_ids,
+                                park=False, after=self.reasoning_end if req.thinking else None)
+        self.masks.watch(exp.request_id, steering, params.structured_outputs is not None)
         st = self._start_sample(req, seq)
         if st.logprobs is not None and exp.logprobs:
             st.logprobs.extend(exp.logprobs)
@@ -317,12 +330,13 @@ class LLMEngine:
         self.runner.sampling_table.write(seq.slot, req.params, seq.sample_index,
                                          len(req.prompt_token_ids),
                                          tuple(req.stop_token_ids))
+        self.runner.steering.write(seq.slot, req.steering)
         return st
 
     def _forget(self, req: RequestState | None) -> None:
         """Drop the per-token watch of a request's samples (finished, aborted, sent)."""
-        if req is not None and self.structured.live:
-            self.structured.forget(req.request_id)
+        if req is not None and self.masks.live:
+            self.masks.forget(req.request_id)
         if req is not None and self._watched:
             for st in req.samples.values():
                 self._watched.pop(st.seq.seq_id, None)
@@ -359,7 +373,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._open_steps.append(out)
         sampling = self._step_sampling(out)
-        mask = self.structured.logits_mask(out.sample_seqs) if self.structured.live else None
+        mask = self.masks.logits_mask(out.sample_seqs) if self.masks.live else None
         k = 0 if out.scores is None else prompt_score_k(self.requests, out.scores)
         return out, self.runner.launch(out, sampling, mask, score_k=k), t0
 
@@ -386,9 +400,9 @@ class LLMEngine:
         if self._watched:
             self._per_token_host_work(out.sample_seqs, token_ids, logprobs, finished_seqs,
                                       {s.seq_id for s in dropped})
-        if self.structured.live:
-            finished_seqs += self.structured.after_update(out.sample_seqs,
-                                                          self.scheduler.finish_sequence)
+        if self.masks.live:
+            finished_seqs += self.masks.after_update(out.sample_seqs,
+                                                     self.scheduler.finish_sequence)
 
         done: list[RequestOutput] = []
         for seq in finished_seqs:
@@ -400,7 +414,8 @@ class LLMEngine:
                 st.finish_reason = seq.finish_reason or "stop"
                 req.num_finished += 1
             if req.num_finished == req.params.n:
-                done.append(req.output(self.tokenizer, self.args.reasoning_parser))
+                done.append(req.output(self.tokenizer, self.args.reasoning_parser,
+                                       self.masks.take_error(req.request_id)))
                 del self.requests[req.request_id]
                 self._forget(req)
         return done

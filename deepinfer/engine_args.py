@@ -15,6 +15,9 @@ from typing import Any
 QUANTIZATION_CHOICES = ("auto", "none")
 
 
+#: ``generation_config``: take a checkpoint's sampling defaults, or ignore them.
+GENERATION_CONFIG_CHOICES = ("auto", "none")
+
 #: Values of ``EngineArgs.reasoning_parser`` (``deepinfer.reasoning``).
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -54,6 +57,11 @@ class EngineArgs:
     reasoning_parser: str | None = option(
         None, "split a thinking model's <think>...</think> from its answer: qwen3 or "
         "deepseek_r1 (default: none)", type=str, choices=REASONING_PARSERS)
+    generation_config: str = option(
+        "auto", "sampling defaults from the checkpoint's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) for "
+        "requests that leave them out: auto takes them, none ignores them",
+        choices=GENERATION_CONFIG_CHOICES)
     device: str = option("auto", "auto, cpu or cuda[:N] (auto: CUDA when available)")
     attention_backend: str = option(
         "auto", "attention and cache kernels (auto: triton on CUDA, torch on CPU)",
@@ -93,6 +101,9 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization={self.quantization!r}: expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(f"generation_config={self.generation_config!r}: expected one "
+                             f"of {', '.join(GENERATION_CONFIG_CHOICES)}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r}: expected one of "
                              f"{', '.join(REASONING_PARSERS)} or None")

@@ -145,8 +145,23 @@ def hf_config_fields(cfg: dict[str, Any],
         bos_token_id=_first(cfg.get("bos_token_id", defaults.get("bos_token_id"))),
         eos_token_ids=tuple(eos),
         torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+        generation_defaults=generation_sampling_keys(gen),
         **_hf_moe(arch, cfg),
     )
+
+
+#: generation_config.json's sampling keys (as vLLM reads them) -> SamplingParams fields.
+GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p",
+                            "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_sampling_keys(gen: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a parsed ``generation_config.json`` gives, under
+    ``SamplingParams`` names (nulls left out; values unchecked)."""
+    return {field: gen[key] for key, field in GENERATION_SAMPLING_KEYS.items()
+            if gen.get(key) is not None}
 
 
 def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:

@@ -60,6 +60,12 @@ class LLM:
         quantized; this rank's shard under tensor parallelism)."""
         return self.engine.weight_bytes
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing samples with: the model's
+        ``generation_config.json`` defaults (unless ``generation_config="none"``) over the
+        built-in ones (vLLM's method of the same name)."""
+        return SamplingParams().with_defaults(self.engine.sampling_defaults)
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (idempotent; nothing to do without)."""
         if self._followers is None:

@@ -27,6 +27,7 @@ from deepinfer.prompt_scoring import score_rows
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampled_tokens import SampledTokens
 from deepinfer.sampling.sampler import Sampler, SamplingTensors
+from deepinfer.sampling.steering import SteeringTable
 from deepinfer.sampling.step_sampling import StepSampling
 from deepinfer.sampling.table import NO_SEED, SamplingTable
 from deepinfer.step_channel import FollowerStep, StepChannel
@@ -80,7 +81,8 @@ class ModelRunner:
         self.states = Sampler.make_state(spec.max_num_seqs if tp.leader else 1,
                                          cfg.vocab_size, device)
         self.sampling_table = SamplingTable(spec.max_num_seqs, cfg.vocab_size)
-        self._cached_sampling: tuple[np.ndarray, int, SamplingTensors] | None = None
+        self.steering = SteeringTable(spec.max_num_seqs if tp.leader else 1, device)
+        self._cached_sampling: tuple[np.ndarray, tuple[int, int], SamplingTensors] | None = None
         # Each slot's latest sampled id, on the device: a decode input whose token was
         # still in flight when the step was scheduled (a placeholder) is read from here.
         # Written only while ``overlap`` is on (the engine's loop keeps a step in flight):
@@ -212,11 +214,10 @@ class ModelRunner:
         bf16/bool support)."""
         dev = self.kv_cache.device
         bidx = torch.tensor(blocks, dtype=torch.int64, device=dev)
-        parts = [self.kv_cache.index_select(2, bidx).reshape(-1).view(torch.uint8)]
         sidx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        for t in self.states:
-            parts.append(t.index_select(0, sidx).reshape(-1).view(torch.uint8))
-        return torch.cat(parts)
+        return torch.cat([self.kv_cache.index_select(2, bidx).reshape(-1).view(torch.uint8)]
+                         + [t.index_select(0, sidx).reshape(-1).view(torch.uint8)
+                            for t in self.states])
 
     def import_kv(self, payload: torch.Tensor, blocks: list[int], slots: list[int]) -> None:
         """Scatter an ``export_kv`` payload (uint8 ``[transfer_bytes(...)]``) into
@@ -330,7 +331,7 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
-        st = self._sampling_tensors(b)
+        st = self._sampling_tensors(b, slots)
         if logits_mask is None:
             sampled = self._sample(logits, st, slots, None)
         else:
@@ -354,7 +355,7 @@ class ModelRunner:
         ``slots`` (int64 ``[num_samples]`` on the device) and the ids' copy to the host."""
         if logits_mask is not None:
             logits = apply_token_mask(logits, logits_mask(), self._mask_staging)
-        token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states)
+        token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states, owned=True)
         if st.do_repetition or st.do_presence_frequency:
             # Counts only matter to rows with a penalty (a row's params never change, so
             # a step without one holds no row that will ever read them).
@@ -374,22 +375,24 @@ class ModelRunner:
         token_ids.record_stream(stream)  # the allocator must not reuse it before the copy
         return SampledTokens(token_ids, logprobs, host, event)
 
-    def _sampling_tensors(self, b) -> SamplingTensors:
-        """The sampling parameters of this step's samples. A decode step over the same
-        sequences as the step before, none seeded or under ``min_tokens``, reuses the
-        previous step's tensors: nothing about them changed."""
+    def _sampling_tensors(self, b, slots_on_device: torch.Tensor) -> SamplingTensors:
+        """The sampling parameters of this step's samples (in ``slots_on_device``). A
+        decode step over the same sequences as the last, none seeded or under
+        ``min_tokens``, reuses its tensors: nothing about them changed."""
         slots = b.sample_state_slots.numpy()
         table = self.sampling_table
+        versions = (table.version, self.steering.version)
         cached = self._cached_sampling
-        if (cached is not None and cached[1] == table.version
+        if (cached is not None and cached[1] == versions
                 and np.array_equal(cached[0], slots)):
             return cached[2]
         positions = b.positions.numpy()[b.logits_indices.numpy()]
         rows, steps, banned = table.gather(slots, positions)
         st = SamplingTensors.from_rows(rows, steps, self.cfg.vocab_size, self.device, banned)
+        st.steering = self.steering.gather(slots, slots_on_device)
         # Seeded rows draw a new uniform and min_tokens bans end: both change each step.
         per_step = banned is not None or bool((rows.seed_key != NO_SEED).any())
-        self._cached_sampling = None if per_step else (slots.copy(), table.version, st)
+        self._cached_sampling = None if per_step else (slots.copy(), versions, st)
         return st
 
     def _has_placeholders(self, is_prompt: bool, b) -> bool:

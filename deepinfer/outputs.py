@@ -58,7 +58,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """All completions of one prompt. ``prompt`` is None when token ids were given.
-    ``prompt_logprobs``: None unless ``SamplingParams.prompt_logprobs`` was set."""
+    ``prompt_logprobs``: None unless ``SamplingParams.prompt_logprobs`` was set.
+    ``error``: why the request failed while running (None when it did not); a batch job
+    writes it as that record's error."""
 
     request_id: str
     prompt: str | None
@@ -66,6 +68,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the request and its completions."""
@@ -77,4 +80,5 @@ class RequestOutput:
             "finished": self.finished,
             "prompt_logprobs": None if self.prompt_logprobs is None
             else logprob_dicts(self.prompt_logprobs),
+            "error": self.error,
         }

@@ -16,6 +16,7 @@ from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.prompt_scoring import PromptScores
 from deepinfer.reasoning import split_reasoning
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.steering import Steering
 from deepinfer_scheduler import Sequence
 from deepinfer_scheduler.prompt_scores import ScoreRows
 
@@ -57,6 +58,8 @@ class RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     #: False when the chat template was told ``enable_thinking: false``.
     thinking: bool = True
+    #: ``logit_bias`` / ``allowed_token_ids`` / ``bad_words`` resolved (None: none).
+    steering: Steering | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -81,10 +84,12 @@ class RequestState:
         self.samples[seq.sample_index] = st
         return st, True
 
-    def output(self, tokenizer: Any, reasoning_parser: str | None = None) -> RequestOutput:
+    def output(self, tokenizer: Any, reasoning_parser: str | None = None,
+               error: str | None = None) -> RequestOutput:
         """The finished request's ``RequestOutput``. ``max_tokens=0`` (scored only): the
         prompt step's token is dropped. ``reasoning_parser``: each text's reasoning split
-        from its answer (``deepinfer.reasoning``)."""
+        from its answer (``deepinfer.reasoning``). ``error``: why it failed while
+        running (its outputs are then partial)."""
         keep = self.params.max_tokens
         outs = []
         for i, st in sorted(self.samples.items()):
@@ -99,7 +104,8 @@ class RequestState:
                 stop_reason=self.stop_reason_of(st) if keep else None, reasoning=reasoning))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outs,
-                             finished=True, prompt_logprobs=self.prompt_logprobs)
+                             finished=True, prompt_logprobs=self.prompt_logprobs,
+                             error=error)
 
     def stop_reason_of(self, st: SampleState) -> str | int | None:
         """What stopped a sample, as vLLM reports it: the stop string that matched, or the

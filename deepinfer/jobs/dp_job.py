@@ -131,7 +131,7 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
                                     progress=not args.no_progress and rank0)
     engine.close()  # the followers leave their loop
     total = RunSummary.from_counts(target.leaders_sum(mine_summary.counts()),
-                                   mine_summary.elapsed)
+                                   mine_summary.elapsed, mine_summary.model_defaults)
     dist.barrier()  # every part file is complete and closed
     if rank0:
         merge_rank_parts(args.output, input_order(r.id for r in inputs), layout.dp)

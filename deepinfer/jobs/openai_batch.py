@@ -45,13 +45,14 @@ CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 _SAME_NAME = {"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
               "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
               "ignore_eos", "stop_token_ids", "skip_special_tokens",
-              "include_stop_str_in_output"} & SAMPLING_KEYS
+              "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+              "bad_words"} & SAMPLING_KEYS
 # Accepted and without effect on one offline engine.
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
             "parallel_tool_calls"}
 # OpenAI fields this engine does not implement: a line using one fails, naming it...
-_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias",
-                "best_of", "suffix", "audio", "modalities", "prediction"}
+_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "best_of",
+                "suffix", "audio", "modalities", "prediction"}
 # ... unless it holds the value that asks for nothing (what SDKs fill in by default).
 _NO_OP_VALUES = {"tools": [], "functions": [], "logit_bias": {}, "echo": False,
                  "best_of": 1, "suffix": "", "tool_choice": "none", "function_call": "none",

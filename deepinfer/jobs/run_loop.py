@@ -80,14 +80,18 @@ def run_requests(target: RunTarget, requests: Iterable[JobRequest], out: TextIO,
     """Submit ``requests`` to ``target``, then write each finished one to ``out`` as a
     line of ``fmt`` (``NATIVE`` or an ``OpenAIFormat``) as it finishes; ``show`` prints
     it too (``--show``), ``progress`` shows the bar. Returns this process's counters:
-    a result that could not be written (``write_record``) counts as failed."""
+    a request that failed while running (``RequestOutput.error``) or a result that could
+    not be written (``write_record``) counts as failed."""
     fmt.use_tokenizer(target.engine.tokenizer)
     prompts, failed = submit_requests(target.admit, requests, out, fmt)
     bar = RunProgress(target.total(len(prompts)), target.bar_title, disable=not progress)
     finished = [0]  # read by the target as the loop goes (progress, DP's vote)
     unwritable = 0
     for res in target.results(lambda: finished[0], bar):
-        if not write_record(out, fmt.result(res)):
+        if res.error is not None:  # failed while running: fails alone, as a bad line
+            write_record(out, fmt.error(res.request_id, res.error))
+            unwritable += 1
+        elif not write_record(out, fmt.result(res)):
             unwritable += 1  # written as an error line instead (see write_record)
         finished[0] += 1
         if show:

@@ -23,14 +23,18 @@ class RunSummary:
     prefix_cache_queries: int = 0
     weight_bytes: int = 0  # resident model weights (summed over ranks: each holds its own)
     elapsed: float = 0.0
+    # The generation_config.json sampling defaults the engine took ("" if none): the
+    # same on every rank (one model), so a sum keeps the first.
+    model_defaults: str = ""
 
     @classmethod
     def of_engine(cls, engine, num_ok: int, failed: int, elapsed: float) -> RunSummary:
         """The counters of one ``LLMEngine`` after a run of ``elapsed`` seconds."""
         st, sst = engine.stats, engine.scheduler.stats
+        taken = " ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items())
         return cls(num_ok, failed, st.prompt_tokens, st.generated_tokens,
                    sst.num_preemptions, sst.prefix_cache_hits, sst.prefix_cache_queries,
-                   engine.weight_bytes, elapsed)
+                   engine.weight_bytes, elapsed, taken)
 
     @classmethod
     def from_dict(cls, d: dict) -> RunSummary:
@@ -39,17 +43,19 @@ class RunSummary:
 
     def counts(self) -> list[int]:
         """The integer counters in field order (for an all-reduce)."""
-        return [int(v) for v in astuple(self)[:-1]]
+        return [int(v) for v in astuple(self)[:-2]]
 
     @classmethod
-    def from_counts(cls, counts: list[int], elapsed: float) -> RunSummary:
+    def from_counts(cls, counts: list[int], elapsed: float, model_defaults: str = ""
+                    ) -> RunSummary:
         """Inverse of ``counts``."""
-        return cls(*counts, elapsed=elapsed)
+        return cls(*counts, elapsed=elapsed, model_defaults=model_defaults)
 
     def __add__(self, other: RunSummary) -> RunSummary:
-        names = [f.name for f in fields(self)][:-1]
+        names = [f.name for f in fields(self)][:-2]
         summed = {n: getattr(self, n) + getattr(other, n) for n in names}
-        return RunSummary(**summed, elapsed=max(self.elapsed, other.elapsed))
+        return RunSummary(**summed, elapsed=max(self.elapsed, other.elapsed),
+                          model_defaults=self.model_defaults or other.model_defaults)
 
     @classmethod
     def sum_over(cls, parts: list[RunSummary]) -> RunSummary:
@@ -70,4 +76,6 @@ class RunSummary:
             f"({gen / elapsed:.1f} tok/s out, {(prompt + gen) / elapsed:.1f} tok/s total) | "
             f"preemptions {self.preemptions} | prefix-cache hit rate {rate:.1%} | "
             f"weights {self.weight_bytes / 1e6:.1f} MB"
+            + (f" | model sampling defaults (generation_config.json): {self.model_defaults}"
+               if self.model_defaults else "")
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,25 @@ MAX_LOGPROBS = 20
 
 # Token ids live in int64 tensors.
 _MAX_TOKEN_ID = (1 << 63) - 1
+
+#: OpenAI's range of a ``logit_bias`` value.
+MAX_LOGIT_BIAS = 100.0
+
+#: The fields a checkpoint's ``generation_config.json`` may give a default for, with the
+#: built-in default each falls back to (``SamplingParams.unset`` names those not given).
+MODEL_DEFAULTABLE = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                     "repetition_penalty": 1.0, "max_tokens": 16}
+
+
+class _Unset:
+    """The default of a ``MODEL_DEFAULTABLE`` field: replaced by the built-in value in
+    ``__post_init__``, its name kept in ``SamplingParams.unset``."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
 
 
 def _is_int(v: Any) -> bool:
@@ -77,20 +97,30 @@ class SamplingParams:
     - ``structured_outputs``: a ``StructuredOutputsParams`` the output must match (JSON
       schema, regex, choice, EBNF grammar, any JSON object); a mapping such as
       ``{"regex": "[0-9]+"}`` is converted. None = unconstrained.
+    - ``logit_bias``: ``{token id: bias}`` added to those logits before sampling, each
+      in [-100, 100] (OpenAI's); JSON's string keys (``"42"``) are taken as ids.
+    - ``allowed_token_ids``: only these tokens may be sampled (non-empty).
+    - ``bad_words``: strings the output never contains as tokens: a word that is one
+      token (with or without a leading space) is never sampled; a longer one never gets
+      its last token after the others.
+
+    The fields in ``MODEL_DEFAULTABLE`` (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens) left out take the model's ``generation_config.json``
+    value when the engine has one, else the built-in default; ``unset`` names them.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float = UNSET
+    top_p: float = UNSET
+    top_k: int = UNSET
+    min_p: float = UNSET
     seed: int | None = None
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = UNSET
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    max_tokens: int = 16
+    max_tokens: int = UNSET
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -98,13 +128,25 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
+        unset = []
+        for name, builtin in MODEL_DEFAULTABLE.items():
+            if getattr(self, name) is UNSET:
+                setattr(self, name, builtin)
+                unset.append(name)
+        self.unset: frozenset[str] = frozenset(unset)
         # numpy scalars (np.float32(0.5), np.int64(3)) are taken as the numbers they hold.
         for f in dataclasses.fields(self):
             setattr(self, f.name, _plain(getattr(self, f.name)))
-        if isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, (list, tuple)):
+                setattr(self, name, [_plain(t) for t in ids])
+        self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(
                 self.structured_outputs)
@@ -160,6 +202,7 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs={k!r}: must be an integer in "
                              f"[0, {MAX_LOGPROBS}] or None")
         self._validate_stop()
+        self._validate_steering()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs={so!r}: must be a StructuredOutputsParams, "
@@ -186,7 +229,44 @@ class SamplingParams:
                 f"(token ids, below 2**63)"
             )
 
+    def _validate_steering(self) -> None:
+        for tok, bias in (self.logit_bias or {}).items():
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{tok}]={bias!r}: must be a number in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        ids = self.allowed_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not ids
+            or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids)
+        ):
+            raise ValueError(f"allowed_token_ids={ids!r}: must be a non-empty list of "
+                             "non-negative integers (token ids)")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple))
+            or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise ValueError(f"bad_words={words!r}: must be a list of non-blank strings")
+
     # ------------------------------------------------------------------ helpers
+    @property
+    def steered(self) -> bool:
+        """Whether ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` is set."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """A validated copy whose ``unset`` fields take ``defaults``' values (a model's
+        ``generation_config.json``: keys of ``MODEL_DEFAULTABLE``); ``self`` when none
+        applies. ``ValueError`` naming the field when the result breaks a rule."""
+        taken = {k: v for k, v in defaults.items() if k in self.unset}
+        if not taken:
+            return self
+        try:
+            return self.replace(**taken)
+        except ValueError as e:
+            raise ValueError(f"{e} (with the model's generation_config.json defaults "
+                             f"{taken})") from None
+
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax (``temperature`` 0)."""
@@ -212,16 +292,48 @@ class SamplingParams:
         return cls(**d)
 
     def replace(self, **overrides: Any) -> SamplingParams:
-        """A validated copy with ``overrides`` applied; an unknown key is a ``ValueError``."""
+        """A validated copy with ``overrides`` applied; an unknown key is a ``ValueError``.
+        The fields left ``unset`` stay so unless overridden."""
         _check_keys(overrides)
-        return dataclasses.replace(self, **overrides)
+        new = dataclasses.replace(self, **overrides)
+        new.unset = self.unset - overrides.keys()
+        return new
+
+    @classmethod
+    def defaults(cls, **values: Any) -> SamplingParams:
+        """Params holding ``values`` as built-in defaults: every ``MODEL_DEFAULTABLE``
+        field stays ``unset``, so a model's ``generation_config.json`` overrides it (a
+        format's own default, such as greedy deepinfer records, is one)."""
+        params = cls(**values)
+        params.unset = frozenset(MODEL_DEFAULTABLE)
+        return params
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields, JSON-ready."""
+        """All fields, JSON-ready (``logit_bias`` keys as JSON writes them)."""
         return dataclasses.asdict(self)
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """``logit_bias`` with its keys as ints: JSON objects key by string (``"42"``).
+    ``ValueError`` naming a key that is no token id."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias={bias!r}: must be an object of token id -> bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        tok = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tok = int(key)
+        tok = _plain(tok)
+        if not _is_int(tok) or not 0 <= tok <= _MAX_TOKEN_ID:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (a non-negative "
+                             "integer)")
+        out[tok] = _plain(value)
+    return out
 
 
 def _check_keys(d: dict[str, Any]) -> None:
@@ -232,3 +344,21 @@ def _check_keys(d: dict[str, Any]) -> None:
         raise ValueError(
             f"unknown sampling parameter(s) {unknown}: expected some of {sorted(_FIELDS)}"
         )
+
+
+def checked_defaults(raw: dict[str, Any], source: str = "generation_config.json"
+                     ) -> dict[str, Any]:
+    """The model defaults of ``raw`` (``MODEL_DEFAULTABLE`` names, e.g. from a
+    ``generation_config.json``) that are valid alone; each one dropped is warned about,
+    naming ``source`` and the rule it breaks."""
+    ok: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            if key not in MODEL_DEFAULTABLE:
+                raise ValueError(f"{key}: not a sampling default")
+            SamplingParams(**{key: value})
+        except (TypeError, ValueError) as e:
+            warnings.warn(f"{source}: {e}: ignored", stacklevel=2)
+            continue
+        ok[key] = _plain(value)
+    return ok

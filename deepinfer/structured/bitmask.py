@@ -15,10 +15,12 @@ class TokenMask:
 
     ``bitmask``: host int32 ``[N, ceil(V / 32)]`` (xgrammar's layout: bit ``j % 32`` of
     word ``j // 32`` set = token ``j`` allowed), one row per sample row of the step;
-    only the rows in ``rows`` are filled and applied (the constrained samples)."""
+    only the rows in ``rows`` are filled and applied (the constrained samples).
+    ``bans``: ``(rows, token ids)`` set to -inf besides (multi-token bad words)."""
 
-    bitmask: torch.Tensor
+    bitmask: torch.Tensor | None
     rows: list[int]
+    bans: tuple[list[int], list[int]] | None = None
 
 
 class BitmaskStaging:
@@ -64,16 +66,21 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None,
     place, when it was float32); unchanged when ``mask`` is None. ``staging``: the
     caller's pinned buffers for a CUDA ``logits`` (without them the mask is copied from
     pageable memory, which may wait for the device)."""
-    if mask is None or not mask.rows:
+    if mask is None or not (mask.rows or mask.bans):
         return logits
-    import xgrammar as xgr
-
     if logits.dtype != torch.float32:
         logits = logits.float()
-    if staging is not None and logits.device.type == "cuda":
-        bitmask = staging.upload(mask.bitmask, logits.device)
-    else:
-        bitmask = mask.bitmask.to(logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                    indices=mask.rows)
+    if mask.rows:
+        import xgrammar as xgr
+
+        if staging is not None and logits.device.type == "cuda":
+            bitmask = staging.upload(mask.bitmask, logits.device)
+        else:
+            bitmask = mask.bitmask.to(logits.device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                        indices=mask.rows)
+    if mask.bans:
+        rows, cols = (torch.tensor(x, dtype=torch.int64).to(logits.device, non_blocking=True)
+                      for x in mask.bans)
+        logits.index_put_((rows, cols), logits.new_full((), float("-inf")))
     return logits

@@ -23,7 +23,8 @@ How it fits the step loop (``LLMEngine``):
   that leaves no way to sample, would end it with ``"abort"``.
 
 One invariant keeps preemption, forks and hand-offs simple: a matcher has accepted
-exactly ``output_token_ids[:fed]`` of its sequence, and ``sync`` feeds the rest. A
+exactly ``output_token_ids[start:start + fed]`` of its sequence (``start``: 0, or past
+a thinking model's ``</think>``), and ``sync`` feeds the rest. A
 preempted sequence keeps its tokens and its matcher (recompute changes neither); an
 n > 1 child gets its own matcher, fed its own (empty) output; an imported sequence gets a
 matcher fed the tokens it brings. Nothing is accepted twice.
@@ -87,26 +88,44 @@ class _Request:
     stops: list[int] | None
     parked: bool
     seq_ids: list[int] = field(default_factory=list)
+    after: int | None = None  # the grammar starts after this token (end of reasoning)
 
 
 class SampleMatcher:
-    """A ``GrammarMatcher`` and how many of its sequence's output tokens it accepted."""
+    """A ``GrammarMatcher`` and how many of its sequence's output tokens it accepted.
 
-    __slots__ = ("matcher", "fed", "rejected")
+    ``after``: a token id (a thinking model's ``</think>``) before which the output is
+    free: the grammar starts with the token after its first occurrence (``start``,
+    None until then; the row is left unmasked meanwhile)."""
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("matcher", "fed", "rejected", "after", "start")
+
+    def __init__(self, matcher: Any, after: int | None = None) -> None:
         self.matcher = matcher
         self.fed = 0
         self.rejected = False
+        self.after = after
+        self.start: int | None = 0 if after is None else None
 
     def sync(self, output_token_ids: list[int]) -> None:
-        """Accept the tokens of ``output_token_ids`` not accepted yet; stop at the first
-        one the grammar rejects (``rejected``)."""
-        while self.fed < len(output_token_ids) and not self.rejected:
-            if self.matcher.accept_token(output_token_ids[self.fed]):
+        """Accept the tokens of ``output_token_ids`` not accepted yet (those after the
+        reasoning's end, if any); stop at the first one the grammar rejects
+        (``rejected``)."""
+        if self.start is None:
+            if self.after not in output_token_ids:
+                return
+            self.start = output_token_ids.index(self.after) + 1
+        tokens = output_token_ids[self.start:]
+        while self.fed < len(tokens) and not self.rejected:
+            if self.matcher.accept_token(tokens[self.fed]):
                 self.fed += 1
             else:
                 self.rejected = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar applies to the next token (the reasoning, if any, ended)."""
+        return self.start is not None
 
     @property
     def ended(self) -> str | None:
@@ -155,14 +174,16 @@ class StructuredOutputs:
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, so: StructuredOutputsParams,
-            stop_token_ids: Iterable[int], park: bool = True) -> None:
+            stop_token_ids: Iterable[int], park: bool = True,
+            after: int | None = None) -> None:
         """Register a constrained request and start compiling its grammar. ``ValueError``
         (naming the field) when the schema/regex/grammar is not supported; nothing is
         registered then. ``park``: hold it back from the scheduler until compiled (an
         imported sequence is in the scheduler already: its first step waits instead).
         Stop ids must be special tokens (EOS, end of turn): they are the grammar's end,
         and a text token that ended the output would cut it short of the grammar, one
-        masked as text would change it."""
+        masked as text would change it. ``after``: the token that ends a thinking
+        model's reasoning; the grammar constrains what follows it (None: all output)."""
         text = sorted(set(stop_token_ids) - self._special_ids)
         if text:
             raise ValueError(f"stop_token_ids {text[:5]}: text tokens cannot end a "
@@ -170,7 +191,7 @@ class StructuredOutputs:
                              "give special tokens only")
         fut = self.cache.compile(so)
         stops = sorted(set(stop_token_ids)) or self.eos_token_ids or None
-        self._requests[request_id] = _Request(fut, stops, park)
+        self._requests[request_id] = _Request(fut, stops, park, after=after)
 
     @functools.cached_property
     def _special_ids(self) -> set[int]:
@@ -216,7 +237,8 @@ class StructuredOutputs:
 
             req = self._requests[seq.request_id]
             compiled = req.future.result()
-            m = SampleMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=req.stops))
+            m = SampleMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=req.stops),
+                              req.after)
             self._matchers[seq.seq_id] = m
             req.seq_ids.append(seq.seq_id)
         m.sync(seq.output_token_ids)
@@ -244,7 +266,7 @@ class StructuredOutputs:
             if seq.finish_reason is not None or seq.request_id not in self._requests:
                 continue  # ended after the launch (overlap): its token is dropped
             m = self.matcher_of(seq)
-            if m.ended is None:
+            if m.active and m.ended is None:
                 matchers.append(m.matcher)
                 filled.append(i)
         if len(filled) >= BATCH_FILL_MIN_ROWS and self.fill_threads > 1:
@@ -270,8 +292,8 @@ class StructuredOutputs:
         ended = []
         for seq in sample_seqs:
             m = self._matchers.get(seq.seq_id)
-            if m is None:
-                continue
+            if m is None or seq.finish_reason == "abort":
+                continue  # an aborted sample's last token may be any: not fed
             m.sync(seq.output_token_ids)
             reason = m.ended
             if reason is not None and seq.finish_reason is None:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from deepinfer.distributed.pd import PDOptions, assign_offers, parse_pd
 from deepinfer.distributed.ranks import RankFailedError
@@ -88,6 +89,28 @@ def test_pd_1_1_matches_normal(llama, tmp_path):
     assert p["role"] == "prompt" and p["prefix_cache_hits"] > 0
     assert p["handed_off"] == d["received"] == len(PROMPTS)
     assert p["generated_tokens"] + d["generated_tokens"] == sum(map(len, want.values()))
+
+
+def test_pd_hands_off_token_steering(llama, tmp_path):
+    """The decode side steers as the prompt side did: the params travel, the steering is
+    resolved again there (bias and allowed ids on the device, bad words on the host)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reqs = [JobRequest("bias", prompt=PROMPTS[0], params=sp.replace(logit_bias={7: 100})),
+            JobRequest("allowed", prompt=PROMPTS[1],
+                       params=sp.replace(allowed_token_ids=[9, 10])),
+            JobRequest("plain", prompt=PROMPTS[3], params=sp)]
+    plain = _normal(llama, reqs[2:])["plain"]
+    pair = plain[2:4]  # a two-token bad word the plain output holds
+    reqs.append(JobRequest("bad", prompt=PROMPTS[3], params=sp.replace(
+        bad_words=[AutoTokenizer.from_pretrained(llama).decode(pair)])))
+    want = _normal(llama, reqs)
+    out = tmp_path / "out.jsonl"
+    run_disaggregated(_args(llama), reqs, str(out), 1, 1)
+    got = {k: v["outputs"][0]["token_ids"] for k, v in _read(out).items()}
+    assert got == want
+    assert got["bias"] == [7] * 8 and set(got["allowed"]) <= {9, 10}
+    assert got["plain"] == plain and got["bad"] != plain
+    assert all(got["bad"][i:i + 2] != pair for i in range(7))
 
 
 def test_pd_back_pressure(llama, tmp_path):

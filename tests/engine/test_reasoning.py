@@ -82,3 +82,52 @@ def test_batch_files_write_reasoning(tmp_path, tiny_checkpoints):
     assert main(["--input", str(native), "--output", str(out2), *args]) == 0
     rec = json.loads(out2.read_text())["outputs"][0]
     assert (rec["reasoning"], rec["text"]) == ("plan it", "the answer")
+
+
+@pytest.fixture(scope="module")
+def think_token_model(tiny_checkpoints, tmp_path_factory) -> str:
+    """The tiny llama3 with ``<think>`` / ``</think>`` as tokens of their own (as in
+    Qwen3's and DeepSeek-R1's vocabularies)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("think_tokens") / "llama3"
+    shutil.copytree(tiny_checkpoints["llama3"].path, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_a_grammar_constrains_the_answer_after_the_reasoning(think_token_model):
+    llm = LLM(think_token_model, device="cpu", kv_cache_memory=8 << 20,
+              reasoning_parser="qwen3")
+    tok = llm.tokenizer
+    [end] = tok.encode("</think>", add_special_tokens=False)
+    free = tok.encode("zq", add_special_tokens=False)[0]  # no answer starts with it
+    choice = {"choice": ["yes", "no"]}
+
+    def run(bias: dict[int, float], **kw):
+        [out] = llm.chat([{"role": "user", "content": "x"}], SamplingParams(
+            temperature=0.0, max_tokens=6, structured_outputs=choice, logit_bias=bias),
+            use_tqdm=False, **kw)
+        return out.outputs[0]
+
+    # Thinking: the reasoning is free (here never closed, so all of it is reasoning)...
+    thought = run({free: 100})
+    assert thought.token_ids == [free] * 6 and thought.text == ""
+    assert thought.reasoning == tok.decode([free] * 6)
+    # ... and once </think> comes, the grammar holds the answer (</think> is then masked).
+    answered = run({end: 100})
+    assert answered.token_ids[0] == end
+    assert (answered.reasoning, answered.text) in (("", "yes"), ("", "no"))
+    # Thinking off: the grammar constrains everything.
+    off = run({free: 100}, chat_template_kwargs={"enable_thinking": False})
+    assert off.text in ("yes", "no") and off.reasoning is None
+    # Without a reasoning parser the grammar constrains the whole output too.
+    plain = LLM(think_token_model, device="cpu", kv_cache_memory=8 << 20)
+    [out] = plain.generate(["x"], SamplingParams(temperature=0.0, max_tokens=6,
+                                                 structured_outputs=choice,
+                                                 logit_bias={free: 100}), use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")

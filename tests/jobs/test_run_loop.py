@@ -24,6 +24,7 @@ class StandInEngine:
 
     def __init__(self, refuse: set[str]) -> None:
         self.weight_bytes = 96_500_000
+        self.sampling_defaults: dict = {}
         self.tokenizer = None
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(stats=SchedulerStats())

@@ -134,7 +134,7 @@ def test_outputs_to_dict_is_json_ready():
         "outputs": [{"index": 0, "text": "hi", "token_ids": [5, 6], "finish_reason": "stop",
                      "stop_reason": None, "logprobs": [{5: -0.1, 7: -2.0}, {6: -0.3}],
                      "reasoning": None}],
-        "finished": True, "prompt_logprobs": None,
+        "finished": True, "prompt_logprobs": None, "error": None,
     }
     back = json.loads(json.dumps(d))
     assert back["outputs"][0]["logprobs"][0] == {"5": -0.1, "7": -2.0}
