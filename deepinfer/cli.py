@@ -21,7 +21,7 @@ from deepinfer.distributed.ranks import check_gpu_count, launch, torchrun_world_
 from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.dp_job import dp_rank
-from deepinfer.jobs.formats import FORMATS, NATIVE, job_format, warn_other_models
+from deepinfer.jobs.formats import FORMATS, NATIVE, job_format
 from deepinfer.jobs.one_engine import run_one_engine
 from deepinfer.jobs.pd_job import pd_job_rank
 from deepinfer.jobs.resume import check_output_format, lock_output
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="OpenAI batch output: name logprob tokens 'token_id:<id>' instead "
                    "of their text (vLLM's flag)")
+    j.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                   help="requests submitted and not finished at a time: the input is read "
+                   "as the run goes (default: 4 x max-num-seqs per engine)")
     j.add_argument("--show", action="store_true", help="print each result when done")
     j.add_argument("--no-progress", action="store_true")
     j.add_argument("--dp", type=int, default=1,
@@ -163,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         inputs, fmt = job_format(args, engine_args.model)
         check_output_format(args.output, openai=fmt is not NATIVE)
         default_params = default_sampling_params(args, openai=fmt is not NATIVE)
-        if fmt is not NATIVE:
-            warn_other_models(inputs, args.input, engine_args.model)
         if args.dp < 1:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
+        if args.max_in_flight is not None and args.max_in_flight < 1:
+            raise ValueError(f"--max-in-flight {args.max_in_flight}: expected a positive "
+                             "number of requests")
         if args.dp_timeout <= 0:
             raise ValueError(f"--dp-timeout {args.dp_timeout}: expected seconds > 0")
         tp = engine_args.tensor_parallel_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,12 +35,13 @@ from deepinfer.distributed.ranks import (
 from deepinfer.distributed.tp import RankLayout, check_layout, make_groups
 from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.formats import job_format
-from deepinfer.jobs.input_records import InputRecord, to_requests
-from deepinfer.jobs.parts import input_order, merge_rank_parts, part_path
+from deepinfer.jobs.formats import NATIVE, JobInput, job_format, warn_other_models
+from deepinfer.jobs.input_index import InputIndex, pending_stream
+from deepinfer.jobs.input_records import iter_requests
+from deepinfer.jobs.parts import merge_rank_parts, part_path
 from deepinfer.jobs.progress import RunProgress
-from deepinfer.jobs.resume import load_resume_state, pending_records
-from deepinfer.jobs.run_loop import RunTarget, run_requests
+from deepinfer.jobs.resume import announce_resume, load_resume_state
+from deepinfer.jobs.run_loop import RunTarget, max_in_flight, run_requests
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
@@ -68,16 +70,18 @@ class ReplicaTarget(RunTarget):
         (total,) = self.leaders_sum([queued])
         return total
 
-    def results(self, finished: Callable[[], int], bar: RunProgress
-                ) -> Iterator[RequestOutput]:
+    def results(self, finished: Callable[[], int], bar: RunProgress,
+                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
         if self.leaders is None:  # a lone replica only updates its bar
-            return super().results(finished, bar)
+            return super().results(finished, bar, top_up)
         engine, st = self.engine, self.engine.stats
 
         def group_has_work() -> bool:
             # One all-reduce per step: whether any rank has work (the loop's end, the same
             # on every rank) plus the group's progress for rank 0's bar. Empty steps
-            # without work while another replica has some.
+            # without work while another replica has some. This replica's share of the
+            # input is topped up first: an engine with records left to read has work.
+            top_up()
             unfinished, g_done, g_prompt, g_gen = self.leaders_sum(
                 [int(engine.has_unfinished()), finished(), st.prompt_tokens,
                  st.generated_tokens])
@@ -100,41 +104,50 @@ def dp_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
 
 
 def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
-            default_params: SamplingParams, inputs: list[InputRecord], fmt: Any) -> int:
+            default_params: SamplingParams, inputs: JobInput, fmt: Any) -> int:
     rank0 = info.rank == 0
     cdev = comm_device(engine_args.device)
     tp = engine_args.tensor_parallel_size
     layout = RankLayout(info.rank, check_layout(args.dp, tp, torchrun_world_size()), tp)
     groups = make_groups(layout, args.dp_timeout)
-    # Rank 0 alone touches the output before the run (folds leftover parts, cuts a torn
-    # line), then tells the others what is done so that all split the same pending list.
+    # Every rank indexes the input itself (one lazy pass); rank 0 alone touches the
+    # output before the run (folds leftover parts, cuts a torn line), then tells the
+    # others what is done so that all split the same pending records.
+    index = InputIndex.of(inputs)
     payload: list[Any] = [None]
     if rank0:
-        payload = [sorted(load_resume_state(args.output, inputs, fmt.final))]
+        if fmt is not NATIVE:
+            warn_other_models(index.models, args.input, engine_args.model)
+        payload = [sorted(load_resume_state(args.output, index.order, fmt.final))]
     dist.broadcast_object_list(payload, src=0)
-    pending = pending_records(inputs, set(payload[0]), args.output, announce=rank0)
+    done = set(payload[0])
+    pending = (announce_resume(index, done, args.output) if rank0
+               else index.pending_count(done))
     if not pending:
         return 0
     if not layout.leader:
         run_follower(engine_args, groups.tp)  # until the leader's engine closes
         dist.barrier()  # the part files are complete
         return _exit_status(0, cdev)
-    mine = pending[layout.replica::layout.dp]  # round-robin share
+    # Round-robin share of the pending records, read lazily by this replica.
+    mine = itertools.islice(pending_stream(inputs, done), layout.replica, None, layout.dp)
+    share = len(range(layout.replica, pending, layout.dp))
     # Every leader builds an engine, even with no records: its scheduler must vote.
     engine = LLMEngine(engine_args, dp_group=groups.leaders, tp=groups.tp)
     target = ReplicaTarget(engine, layout, groups.leaders, cdev)
     # Created even when empty: rank 0 checks that it can see every replica's part file.
     with open(part_path(args.output, layout.replica), "a", encoding="utf-8") as out:
-        mine_summary = run_requests(target, to_requests(mine, default_params, args.chat,
-                                           template_kwargs=args.chat_template_kwargs),
-                                    out, fmt, show=args.show,
-                                    progress=not args.no_progress and rank0)
+        requests = iter_requests(mine, default_params, args.chat, track=fmt.track,
+                                 template_kwargs=args.chat_template_kwargs)
+        mine_summary = run_requests(target, requests, out, fmt, show=args.show,
+                                    progress=not args.no_progress and rank0,
+                                    max_in_flight=max_in_flight(args, engine), total=share)
     engine.close()  # the followers leave their loop
     total = RunSummary.from_counts(target.leaders_sum(mine_summary.counts()),
                                    mine_summary.elapsed, mine_summary.model_defaults)
     dist.barrier()  # every part file is complete and closed
     if rank0:
-        merge_rank_parts(args.output, input_order(r.id for r in inputs), layout.dp)
+        merge_rank_parts(args.output, index.order, layout.dp)
         print(total.format(), file=sys.stderr)
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits 1.
     return _exit_status(1 if total.failed else 0, cdev)

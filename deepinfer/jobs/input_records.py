@@ -17,7 +17,7 @@ engine's ``add_request``, or carrying the error that its output line reports.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -130,14 +130,15 @@ def structured_overrides(overrides: dict[str, Any], response_format: Any) -> Non
             overrides["structured_outputs"] = fmt
 
 
-def mark_duplicates(pending: list[InputRecord]) -> None:
-    """Turn a repeated id of the input into an error record, so that every rank of a DP
-    run agrees on which record of a repeated id runs."""
+def mark_duplicates(records: Iterable[InputRecord]) -> Iterator[InputRecord]:
+    """``records`` (lazily), a repeated id turned into an error record, so that every
+    rank of a DP run agrees on which record of a repeated id runs: its first."""
     seen: set[str] = set()
-    for rec in pending:
+    for rec in records:
         if rec.error is None and rec.id in seen:
             rec.error = f"duplicate id {rec.id!r} in the input"
         seen.add(rec.id)
+        yield rec
 
 
 def resolve_record(rec: InputRecord, default_params: SamplingParams, chat: bool
@@ -169,28 +170,38 @@ class JobRequest:
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def to_requests(records: list[InputRecord], default_params: SamplingParams, chat: bool,
-                check: Callable[[str, SamplingParams], None] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[JobRequest]:
-    """One ``JobRequest`` per record, in order (``resolve_record``); a bad line, invalid
-    sampling values or a ``ValueError`` from ``check(id, params)`` (what a run mode
-    cannot serve) give a request with ``error`` set. ``template_kwargs``: the chat
-    template variables of every chat record (``--chat-template-kwargs``), a record's
-    own taking precedence key by key."""
-    requests = []
+def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,
+                  check: Callable[[str, SamplingParams], None] | None = None,
+                  template_kwargs: dict[str, Any] | None = None,
+                  track: Callable[[InputRecord], None] | None = None
+                  ) -> Iterator[JobRequest]:
+    """One ``JobRequest`` per record, in order and lazily (``resolve_record``); a bad
+    line, invalid sampling values or a ``ValueError`` from ``check(id, params)`` (what a
+    run mode cannot serve) give a request with ``error`` set. ``template_kwargs``: the
+    chat template variables of every chat record (``--chat-template-kwargs``), a
+    record's own taking precedence key by key. ``track(record)``: called for each record
+    as it becomes a request (an OpenAI output format keeps it until its line is
+    written)."""
     for rec in records:
+        if track is not None:
+            track(rec)
         if rec.error is not None:
-            requests.append(JobRequest(rec.id, error=rec.error))
+            yield JobRequest(rec.id, error=rec.error)
             continue
         try:
             params, prompt, messages = resolve_record(rec, default_params, chat)
             if check is not None:
                 check(rec.id, params)
         except ValueError as e:
-            requests.append(JobRequest(rec.id, error=str(e)))
+            yield JobRequest(rec.id, error=str(e))
             continue
         kwargs = {**(template_kwargs or {}), **(rec.chat_template_kwargs or {})}
-        requests.append(JobRequest(rec.id, prompt=prompt, messages=messages, params=params,
-                                   shown=rec.shown_prompt,
-                                   chat_template_kwargs=kwargs if messages else None))
-    return requests
+        yield JobRequest(rec.id, prompt=prompt, messages=messages, params=params,
+                         shown=rec.shown_prompt,
+                         chat_template_kwargs=kwargs if messages else None)
+
+
+def to_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,
+                **kw: Any) -> list[JobRequest]:
+    """``iter_requests`` as a list."""
+    return list(iter_requests(records, default_params, chat, **kw))

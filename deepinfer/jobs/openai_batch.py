@@ -31,6 +31,7 @@ import codecs
 import math
 import os
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
@@ -72,15 +73,14 @@ def is_openai_batch(path: str) -> bool:
     return False
 
 
-def read_openai_inputs(path: str) -> list[InputRecord]:
-    """One record per non-empty line of an OpenAI batch file; a bad line, or a repeated
-    ``custom_id`` after its first line, is an error record naming the line."""
+def read_openai_inputs(path: str) -> Iterator[InputRecord]:
+    """One record per non-empty line of an OpenAI batch file, read lazily; a bad line, or
+    a repeated ``custom_id`` after its first line, is an error record naming the line."""
     check_input_file(path)
-    records: list[InputRecord] = []
     seen: set[str] = set()  # custom_ids of earlier lines, good or bad
     for lineno, line, error in read_lines(path):
         if error is not None:
-            records.append(InputRecord(id=line_record_id(lineno), error=error))
+            yield InputRecord(id=line_record_id(lineno), error=error)
             continue
         rec = parse_openai_line(line, lineno)
         if rec.error is None and rec.custom_id in seen:
@@ -88,8 +88,7 @@ def read_openai_inputs(path: str) -> list[InputRecord]:
             rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"
         if rec.custom_id is not None:
             seen.add(rec.custom_id)
-        records.append(rec)
-    return records
+        yield rec
 
 
 def line_record_id(lineno: int) -> str:
@@ -231,14 +230,20 @@ def _messages(messages: Any) -> list[dict[str, str]]:
 class OpenAIFormat:
     """Output lines of the OpenAI batch format for the records of one input file.
     ``model``: the name written in each response body; ``token_ids``: logprob tokens as
-    ``"token_id:<id>"`` rather than text."""
+    ``"token_id:<id>"`` rather than text. A record's line needs the record (its
+    custom_id, api, echo): ``records`` and ``track`` hand them in, and each is let go
+    once its line is made, so a streamed job holds only the records in flight."""
 
-    def __init__(self, records: list[InputRecord], model: str,
+    def __init__(self, records: Iterable[InputRecord], model: str,
                  token_ids: bool = False) -> None:
         self.model = model
         self.token_ids = token_ids
         self._records = {r.id: r for r in records}
         self._bytes: TokenBytes | None = None
+
+    def track(self, rec: InputRecord) -> None:
+        """Keep ``rec`` until its result or error line is made."""
+        self._records[rec.id] = rec
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Read logprob tokens' text and bytes from ``tokenizer`` (the engine's)."""
@@ -247,7 +252,7 @@ class OpenAIFormat:
     def result(self, res) -> dict[str, Any]:
         """The line of a finished request (a ``RequestOutput``): status 200, a
         ``chat.completion`` or ``text_completion`` body with usage."""
-        rec = self._records[res.request_id]
+        rec = self._records.pop(res.request_id)
         chat = rec.api == "chat"
         choices = []
         top = (rec.overrides or {}).get("logprobs")
@@ -277,7 +282,7 @@ class OpenAIFormat:
 
     def error(self, record_id: str, message: str) -> dict[str, Any]:
         """The line of a record that failed (``custom_id`` null for an unreadable line)."""
-        rec = self._records.get(record_id)
+        rec = self._records.pop(record_id, None)
         return {"id": record_id, "custom_id": rec.custom_id if rec else None,
                 "response": None, "error": {"code": "invalid_request", "message": message}}
 

@@ -91,6 +91,10 @@ class NativeFormat:
         """Nothing to read: native records name tokens by id."""
 
     @staticmethod
+    def track(rec: Any) -> None:
+        """Nothing to keep: a native line needs only the result."""
+
+    @staticmethod
     def result(res) -> dict[str, Any]:
         return result_record(res)
 

@@ -83,15 +83,15 @@ def merge_outputs(output: str, order: dict[str, int], parts: list[str]) -> None:
         os.remove(p)
 
 
-def fold_part_files(output: str, inputs) -> bool:
+def fold_part_files(output: str, order: dict[str, int]) -> bool:
     """Merge part files left by a killed DP/PD run into ``output``; False if there were
-    none. ``inputs``: the input records (their order is the merge order)."""
+    none. ``order``: first input position of each id (the merge order)."""
     parts = list_part_files(output)
     if not parts:
         return False
     print(f"resuming: merging {len(parts)} part file(s) of an earlier run into {output}",
           file=sys.stderr)
-    merge_outputs(output, input_order(r.id for r in inputs), parts)
+    merge_outputs(output, order, parts)
     return True
 
 

@@ -33,7 +33,8 @@ from deepinfer.distributed.ranks import (
     spawn_ranks,
 )
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.formats import job_format
+from deepinfer.jobs.formats import job_format, warn_other_models
+from deepinfer.jobs.input_index import InputIndex
 from deepinfer.jobs.input_records import JobRequest, to_requests
 from deepinfer.jobs.output_records import NATIVE, show_result
 from deepinfer.jobs.parts import input_order, merge_outputs, merge_rank_parts, part_path
@@ -53,9 +54,9 @@ class PDRankTarget(RunTarget):
         super().__init__(rounds.engine)
         self.rounds = rounds
 
-    def results(self, finished: Callable[[], int], bar: RunProgress
-                ) -> Iterator[RequestOutput]:
-        return self.rounds.drain()
+    def results(self, finished: Callable[[], int], bar: RunProgress,
+                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
+        return self.rounds.drain()  # every request was admitted up front
 
 
 def run_pd_rank(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
@@ -152,8 +153,12 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
     shown: dict[str, Any] = {}
     if rank0:
         inputs, fmt = job_format(args, engine_args.model)
-        pending = pending_records(inputs, load_resume_state(args.output, inputs, fmt.final),
-                                  args.output)
+        index = InputIndex.of(inputs)
+        if fmt is not NATIVE:
+            warn_other_models(index.models, args.input, engine_args.model)
+        # Not streamed: rank 0 hands every pending request out before the rounds.
+        pending = pending_records(inputs, load_resume_state(args.output, index.order,
+                                                            fmt.final), args.output)
         # Records that fail by themselves (bad line, sampling values, n > 1) are written
         # at once; the others are shared out. Checks that need the tokenizer or the
         # engines' sizes (an over-long prompt) are the PROMPT ranks' admission.
@@ -161,10 +166,10 @@ def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineAr
         with open(args.output, "a", encoding="utf-8") as out:
             shown, failed = submit_requests(
                 requests.append, to_requests(pending, default_params, args.chat,
-                                             check=check_pd_params,
+                                             check=check_pd_params, track=fmt.track,
                                              template_kwargs=args.chat_template_kwargs),
                 out, fmt)
-        payload = [(requests, failed, input_order(r.id for r in inputs), fmt)]
+        payload = [(requests, failed, index.order, fmt)]
     dist.broadcast_object_list(payload, src=0)
     requests, failed, order, fmt = payload[0]
     stats: list[dict[str, Any]] = []

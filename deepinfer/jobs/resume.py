@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from deepinfer.jobs.input_records import InputRecord, mark_duplicates
-from deepinfer.jobs.parts import fold_part_files, input_order
+from deepinfer.jobs.input_index import InputIndex, pending_stream
+from deepinfer.jobs.input_records import InputRecord
+from deepinfer.jobs.parts import fold_part_files
 from deepinfer.jobs.resume_keys import strict_json, valid_lines
 
 
@@ -119,28 +120,36 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
     return done
 
 
-def load_resume_state(output: str, inputs: list[InputRecord],
+def load_resume_state(output: str, order: dict[str, int],
                       final: Callable[[dict], bool] | None = None) -> set[str]:
     """Prepare ``output`` for a run and return the ids already done: create its folder,
     fold in part files left by a killed DP/PD run (they hold finished records), cut a
     torn last line, drop lines that are not ``final`` and put OpenAI batch lines in input
-    order (see ``load_done_ids``). Only one process of a run may call this (it rewrites
-    the file)."""
+    order (``order``: first input position of each id; see ``load_done_ids``). Only one
+    process of a run may call this (it rewrites the file)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fold_part_files(output, inputs)
+    fold_part_files(output, order)
     open(output, "a").close()  # an empty input still leaves its (empty) output
-    return load_done_ids(output, final, input_order(r.id for r in inputs))
+    return load_done_ids(output, final, order)
 
 
-def pending_records(inputs: list[InputRecord], done: set[str], output: str,
-                    announce: bool = True) -> list[InputRecord]:
-    """The records still to run, repeated ids turned into error records (over the whole
-    input: the record of a repeated id that runs is always its first); error records
-    are always pending (their lines are written again). ``announce`` prints the resume
-    line (one process of a run)."""
-    mark_duplicates(inputs)
-    pending = [r for r in inputs if r.error is not None or r.id not in done]
-    if announce and done:
-        print(f"resuming: {len(inputs) - len(pending)} of {len(inputs)} records already in "
+def announce_resume(index: InputIndex, done: set[str], output: str) -> int:
+    """The number of records still to run; prints the resume line when some are done
+    (one process of a run)."""
+    pending = index.pending_count(done)
+    if pending < index.records:
+        print(f"resuming: {index.records - pending} of {index.records} records already in "
               f"{output}", file=sys.stderr)
+    return pending
+
+
+def pending_records(inputs: Iterable[InputRecord], done: set[str], output: str,
+                    announce: bool = True) -> list[InputRecord]:
+    """The records still to run, as a list (``pending_stream``); ``announce`` prints the
+    resume line (one process of a run)."""
+    records = list(inputs)
+    pending = list(pending_stream(records, done))
+    if announce and done:
+        print(f"resuming: {len(records) - len(pending)} of {len(records)} records already "
+              f"in {output}", file=sys.stderr)
     return pending

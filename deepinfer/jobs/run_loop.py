@@ -40,63 +40,124 @@ class RunTarget:
                                 chat_template_kwargs=req.chat_template_kwargs)
 
     def total(self, queued: int) -> int:
-        """The progress bar's total when this process queued ``queued`` requests."""
+        """The progress bar's total when this process has ``queued`` records to run."""
         return queued
 
-    def results(self, finished: Callable[[], int], bar: RunProgress
-                ) -> Iterator[RequestOutput]:
-        """The finished requests, as they finish. ``finished()``: how many the loop took
-        so far (for ``bar``)."""
+    def results(self, finished: Callable[[], int], bar: RunProgress,
+                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
+        """The finished requests, as they finish. ``finished()``: how many records the
+        loop took so far (for ``bar``); ``top_up()``: admit more requests, called
+        between steps (a streamed job keeps the engine's batch full)."""
         st = self.engine.stats
-        return self.engine.drain(
-            on_step=lambda: bar.update(finished(), st.prompt_tokens, st.generated_tokens))
+
+        def on_step() -> None:
+            top_up()
+            bar.update(finished(), st.prompt_tokens, st.generated_tokens)
+
+        return self.engine.drain(on_step=on_step)
+
+
+#: ``--max-in-flight``'s default, in multiples of the engine's ``max_num_seqs``: the
+#: waiting queue then holds three batches beyond the running one, so every step is
+#: full and the requests that finish in a step are replaced before the next.
+IN_FLIGHT_PER_BATCH = 4
+
+
+def max_in_flight(args: Any, engine: LLMEngine) -> int:
+    """The bound on requests in flight: ``--max-in-flight``, else
+    ``IN_FLIGHT_PER_BATCH`` times the engine's ``max_num_seqs``."""
+    given = getattr(args, "max_in_flight", None)
+    return given if given is not None else (IN_FLIGHT_PER_BATCH
+                                            * engine.scheduler.config.max_num_seqs)
+
+
+class RequestFeed:
+    """A job's requests handed to ``admit`` a few at a time: at most ``max_in_flight``
+    admitted and not finished yet (None: all at once). A request with ``error`` set, or
+    one ``admit`` refuses (``ValueError``), is written to ``out`` as an error line of
+    ``fmt`` instead, in request order. Reads ``requests`` lazily: a job of any size holds
+    only the requests in flight."""
+
+    def __init__(self, requests: Iterable[JobRequest], admit: Callable[[JobRequest], None],
+                 out: TextIO, fmt: Any = NATIVE, max_in_flight: int | None = None) -> None:
+        self._requests = iter(requests)
+        self._admit, self._out, self._fmt = admit, out, fmt
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # admitted, not finished
+        self.admitted = 0
+        self.peak_in_flight = 0
+        self.failed = 0  # error lines written
+        self.exhausted = False
+        self.prompts: dict[str, Any] = {}  # shown prompt of each request in flight
+
+    def top_up(self) -> None:
+        """Admit requests until ``max_in_flight`` are in flight or none is left."""
+        while not self.exhausted and (self.max_in_flight is None
+                                      or self.in_flight < self.max_in_flight):
+            req = next(self._requests, None)
+            if req is None:
+                self.exhausted = True
+                break
+            error = req.error
+            if error is None:
+                try:
+                    self._admit(req)
+                    self.prompts[req.request_id] = req.shown
+                    self.in_flight += 1
+                    self.admitted += 1
+                except ValueError as e:
+                    error = str(e)
+            if error is not None:
+                self.failed += 1
+                write_record(self._out, self._fmt.error(req.request_id, error))
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def finished(self, request_id: str) -> Any:
+        """A request in flight finished; returns its shown prompt."""
+        self.in_flight -= 1
+        return self.prompts.pop(request_id, None)
 
 
 def submit_requests(admit: Callable[[JobRequest], None], requests: Iterable[JobRequest],
                     out: TextIO, fmt: Any = NATIVE) -> tuple[dict[str, Any], int]:
-    """Pass each good request to ``admit``; a request with ``error`` set, or one that
-    ``admit`` refuses (``ValueError``), is written to ``out`` as an error line of ``fmt``
-    instead, in request order. Returns the shown prompt of each admitted request by id
-    (for ``--show``) and the number of error lines written."""
-    prompts: dict[str, Any] = {}
-    failed = 0
-    for req in requests:
-        error = req.error
-        if error is None:
-            try:
-                admit(req)
-                prompts[req.request_id] = req.shown
-            except ValueError as e:
-                error = str(e)
-        if error is not None:
-            failed += 1
-            write_record(out, fmt.error(req.request_id, error))
-    return prompts, failed
+    """Pass every good request to ``admit`` at once (``RequestFeed`` without a bound);
+    returns the shown prompt of each admitted request by id (for ``--show``) and the
+    number of error lines written."""
+    feed = RequestFeed(requests, admit, out, fmt)
+    feed.top_up()
+    return feed.prompts, feed.failed
 
 
 def run_requests(target: RunTarget, requests: Iterable[JobRequest], out: TextIO,
-                 fmt: Any = NATIVE, *, show: bool = False, progress: bool = True
+                 fmt: Any = NATIVE, *, show: bool = False, progress: bool = True,
+                 max_in_flight: int | None = None, total: int | None = None
                  ) -> RunSummary:
-    """Submit ``requests`` to ``target``, then write each finished one to ``out`` as a
-    line of ``fmt`` (``NATIVE`` or an ``OpenAIFormat``) as it finishes; ``show`` prints
-    it too (``--show``), ``progress`` shows the bar. Returns this process's counters:
-    a request that failed while running (``RequestOutput.error``) or a result that could
-    not be written (``write_record``) counts as failed."""
+    """Submit ``requests`` to ``target``, at most ``max_in_flight`` in flight at a time
+    (None: all at once), and write each finished one to ``out`` as a line of ``fmt``
+    (``NATIVE`` or an ``OpenAIFormat``) as it finishes; ``show`` prints it too
+    (``--show``), ``progress`` shows the bar (``total``: how many records this process
+    runs, when ``requests`` is a stream). Returns this process's counters: a request
+    that failed while running (``RequestOutput.error``) or a result that could not be
+    written (``write_record``) counts as failed."""
     fmt.use_tokenizer(target.engine.tokenizer)
-    prompts, failed = submit_requests(target.admit, requests, out, fmt)
-    bar = RunProgress(target.total(len(prompts)), target.bar_title, disable=not progress)
-    finished = [0]  # read by the target as the loop goes (progress, DP's vote)
+    feed = RequestFeed(requests, target.admit, out, fmt, max_in_flight)
+    feed.top_up()
+    if total is None and feed.exhausted:
+        total = feed.in_flight + feed.failed
+    bar = RunProgress(target.total(total or 0), target.bar_title, disable=not progress)
+    results = [0]  # read by the target as the loop goes (progress, DP's vote)
     unwritable = 0
-    for res in target.results(lambda: finished[0], bar):
+    for res in target.results(lambda: results[0] + feed.failed, bar, feed.top_up):
+        shown = feed.finished(res.request_id)
         if res.error is not None:  # failed while running: fails alone, as a bad line
             write_record(out, fmt.error(res.request_id, res.error))
             unwritable += 1
         elif not write_record(out, fmt.result(res)):
             unwritable += 1  # written as an error line instead (see write_record)
-        finished[0] += 1
+        results[0] += 1
         if show:
-            show_result(res.request_id, prompts[res.request_id], res.outputs[0].text,
+            show_result(res.request_id, shown, res.outputs[0].text,
                         prefix=target.show_prefix)
     bar.close()
-    return RunSummary.of_engine(target.engine, len(prompts) - unwritable,
-                                failed + unwritable, bar.elapsed())
+    return RunSummary.of_engine(target.engine, feed.admitted - unwritable,
+                                feed.failed + unwritable, bar.elapsed())

@@ -81,7 +81,9 @@ def test_dp2_unequal_loads_and_error_records(tmp_path, model_args, capfd):
     rc1, one = _one_rank(tmp_path, inp, model_args)
     out = tmp_path / "dp.jsonl"
     capfd.readouterr()
-    rc = main(["--input", str(inp), "--output", str(out), "--dp", "2", *model_args])
+    # Each replica streams its share with at most 2 requests in flight.
+    rc = main(["--input", str(inp), "--output", str(out), "--dp", "2", *model_args,
+               "--max-in-flight", "2"])
     err = capfd.readouterr().err  # the spawned ranks write to the inherited stderr
     assert (rc1, rc) == (1, 1), err
     assert "done: 10 requests ok, 5 failed" in err, err  # summed over the ranks

@@ -102,7 +102,7 @@ def test_detects_the_format_and_parses_fields(tmp_path):
     native = tmp_path / "native.jsonl"
     native.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
     assert not is_openai_batch(str(native))
-    recs, _ = open_job(str(path), "auto", None)
+    recs = list(open_job(str(path), "auto", None)[0])
     assert recs[0].api == "chat" and recs[0].overrides == {"max_tokens": 4}
     assert recs[1].api == "completion" and recs[1].prompt == "the quick brown fox"
     assert recs[1].overrides == {"max_tokens": 5, "temperature": 0.0, "logprobs": 2}

@@ -87,7 +87,7 @@ class RoundsTarget(RunTarget):
         super().__init__(engine)
         self.seen: list[int] = []
 
-    def results(self, finished, bar):
+    def results(self, finished, bar, top_up):
         for rid in ("d", "a"):
             self.seen.append(finished())
             yield _output(rid)
@@ -113,7 +113,7 @@ def test_loop_takes_results_from_the_target_and_fails_unwritable_ones():
     target = RoundsTarget(StandInEngine(refuse=set()))
     out = io.StringIO()
     summary = run_requests(target, _requests(), out, NaNFormat(), progress=False)
-    assert target.seen == [0, 1, 2]
+    assert target.seen == [1, 2, 3]  # c's error line counts as taken
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [x["id"] for x in lines] == ["c", "d", "a"]
     assert "non-finite" in lines[2]["error"]  # written as an error line instead
