@@ -71,7 +71,9 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
         return set()
     done: set[str] = set()
     good_end = 0
-    kept: list[tuple[int, bytes]] = []  # (input position, line) of the kept lines
+    # (input position, offset, length) of the kept lines: offsets, not the lines, so a
+    # large output costs a few bytes a line here.
+    kept: list[tuple[int, int, int]] = []
     dropped = False
     openai = False  # the file holds OpenAI batch lines: keep them in input order
     stale: list[str] = []
@@ -90,7 +92,8 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
                 stale.append(str(rec["custom_id"]))
         if keep:
             done.add(key)
-            kept.append((order.get(key, len(order)) if order is not None else 0, raw))
+            kept.append((order.get(key, len(order)) if order is not None else 0, offset,
+                         len(raw)))
         else:
             dropped = True
     if unreadable:
@@ -109,8 +112,10 @@ def load_done_ids(path: str, final: Callable[[dict], bool] | None = None,
         if openai:
             kept.sort(key=lambda e: e[0])  # stable: file order within one position
         tmp = f"{path}.resume.tmp"
-        with open(tmp, "wb") as dst:
-            dst.writelines(raw for _, raw in kept)
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for _, offset, length in kept:
+                src.seek(offset)
+                dst.write(src.read(length))
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, path)
