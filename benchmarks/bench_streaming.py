@@ -7,6 +7,10 @@ and the resume set: a small, fixed number of bytes a line.
 ``--ref REV`` runs the same inputs through the CLI of an earlier commit (a git worktree),
 for the design it replaced (the whole file read and submitted at once).
 
+float32: a bfloat16 model's oneDNN kernels cache one primitive per batch shape (up to
+1024 of them), which grows the RSS of a long run by a few hundred MB whatever the input
+size; float32 keeps that out of the per-line figure.
+
     python benchmarks/bench_streaming.py [--lines 10000 200000] [--ref REV] [--save]
 
 Results: ``streaming-cpu.{json,md}`` in ``--out`` / ``$DEEPINFER_BENCH_OUT``, or
@@ -45,8 +49,8 @@ def run_job(src: Path, model: str, inp: Path, work: Path) -> dict:
     out = work / f"out-{inp.stem}-{src.name}.jsonl"
     out.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "deepinfer.generate", "--input", str(inp), "--output",
-            str(out), "--model", model, "--device", "cpu", "--kv-cache-memory",
-            str(8 << 20), "--max-model-len", "64", "--no-progress"]
+            str(out), "--model", model, "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-memory", str(8 << 20), "--max-model-len", "64", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(src)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=src, env=env, stdout=subprocess.DEVNULL,

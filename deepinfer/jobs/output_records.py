@@ -18,24 +18,27 @@ from typing import Any, TextIO
 from tqdm.auto import tqdm
 
 
-def write_record(out: TextIO, record: dict[str, Any]) -> bool:
-    """One JSON line, flushed at once so that a killed run keeps every finished record.
-    Returns False when ``record`` held NaN or infinity: that is a bug upstream (the
-    formats drop what may legitimately be infinite), so it is reported on stderr and the
-    record is written as an error line of its own format, failing alone, instead of as
-    invalid JSON (``-Infinity``) or killing the job."""
+def record_text(record: dict[str, Any]) -> tuple[str, bool]:
+    """``(JSON text, True)`` of an output record; ``(error line, False)`` when ``record``
+    held NaN or infinity: that is a bug upstream (the formats drop what may legitimately
+    be infinite), so it is reported on stderr and the record becomes an error line of its
+    own format, failing alone, instead of invalid JSON (``-Infinity``) or a dead job."""
     try:
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False)
+        return json.dumps(record, ensure_ascii=False, allow_nan=False), True
     except ValueError as e:
         message = f"internal error: the result held a non-finite number ({e})"
         print(f"deepinfer-generate: error: record {record.get('id')!r}: {message}",
               file=sys.stderr)
-        out.write(json.dumps(_failed_line(record, message), ensure_ascii=False) + "\n")
-        out.flush()
-        return False
+        return json.dumps(_failed_line(record, message), ensure_ascii=False), False
+
+
+def write_record(out: TextIO, record: dict[str, Any]) -> bool:
+    """One JSON line (``record_text``), flushed at once so that a killed run keeps every
+    finished record. Returns False when the record had to be written as an error line."""
+    line, ok = record_text(record)
     out.write(line + "\n")
     out.flush()
-    return True
+    return ok
 
 
 def _failed_line(record: dict[str, Any], message: str) -> dict[str, Any]:
