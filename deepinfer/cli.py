@@ -24,6 +24,7 @@ from deepinfer.jobs.dp_job import dp_rank
 from deepinfer.jobs.formats import FORMATS, NATIVE, job_format
 from deepinfer.jobs.one_engine import run_one_engine
 from deepinfer.jobs.pd_job import pd_job_rank
+from deepinfer.jobs.ray_job import run_ray_job
 from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--dp-timeout", type=float, default=120.0,
                    help="seconds a rank waits on the others before giving up (DP and PD "
                         "runs)")
+    j.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray Data (pip install 'deepinfer[ray]'): independent "
+                   "replicas, on a local Ray cluster or the one at ADDRESS")
+    j.add_argument("--replicas", type=int, default=1,
+                   help="engines of a --ray run (each with --tp GPUs on CUDA)")
     j.add_argument("--pd", default=None, metavar="P:D",
                    help="disaggregated prefill/decode: P prompt + D completion engines, "
                         "spawned on this machine (one GPU each on CUDA), or under torchrun "
@@ -145,6 +151,27 @@ def _template_kwargs(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"expected a JSON object: {e}") from None
 
 
+def check_ray_flags(args: argparse.Namespace, world: int) -> None:
+    """``ValueError`` naming the flag for a ``--ray`` run that cannot be (or ``--replicas``
+    without ``--ray``)."""
+    if args.ray is None:
+        if args.replicas != 1:
+            raise ValueError(f"--replicas {args.replicas}: only with --ray")
+        return
+    if args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: expected a positive number of "
+                         "engines")
+    for flag, on in (("--dp", args.dp > 1), ("--pd", args.pd is not None),
+                     ("torchrun", world > 1)):
+        if on:
+            raise ValueError(f"--ray and {flag} cannot be combined: Ray runs independent "
+                             "replicas (--replicas N) of its own")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'deepinfer[ray]'") from None
+
+
 def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> SamplingParams:
     """The CLI's default sampling; per-record overrides are applied on top. The flags
     given are set; the format's defaults stay ``unset``, so the model's
@@ -168,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         default_params = default_sampling_params(args, openai=fmt is not NATIVE)
         if args.dp < 1:
             raise ValueError(f"--dp {args.dp}: expected a positive number of ranks")
+        check_ray_flags(args, world)
         if args.max_in_flight is not None and args.max_in_flight < 1:
             raise ValueError(f"--max-in-flight {args.max_in_flight}: expected a positive "
                              "number of requests")
@@ -214,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepinfer-generate: {e}", file=sys.stderr)
         return 2
     try:
+        if args.ray is not None:
+            return run_ray_job(args, engine_args, default_params, inputs, fmt)
         if args.pd is not None:
             return launch(pd_job_rank, num_prompt + num_decode,
                           (args, engine_args, default_params, num_prompt))

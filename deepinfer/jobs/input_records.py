@@ -51,15 +51,17 @@ class InputRecord:
         return self.prompt if self.prompt is not None else self.messages
 
 
-def read_inputs(path: str) -> Iterator[InputRecord]:
+def read_inputs(path: str, lines: Iterable[tuple[int, str | None, str | None]] | None = None
+                ) -> Iterator[InputRecord]:
     """Yield one record per non-empty line; the default id is the 1-based line number.
     Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file, a
-    folder or an unknown extension."""
+    folder or an unknown extension. ``lines``: ``read_lines(path)`` (a caller may pass it
+    through a tap: each line gives exactly one record)."""
     check_input_file(path)
     is_jsonl = path.endswith((".jsonl", ".json"))
     if not is_jsonl and not path.endswith(".txt"):
         raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
-    for lineno, line, error in read_lines(path):
+    for lineno, line, error in read_lines(path) if lines is None else lines:
         if error is not None:
             yield InputRecord(id=str(lineno), error=error)
         elif not is_jsonl:
@@ -130,13 +132,18 @@ def structured_overrides(overrides: dict[str, Any], response_format: Any) -> Non
             overrides["structured_outputs"] = fmt
 
 
+def duplicate_error(record_id: str) -> str:
+    """The error of a record whose id an earlier record of the input has."""
+    return f"duplicate id {record_id!r} in the input"
+
+
 def mark_duplicates(records: Iterable[InputRecord]) -> Iterator[InputRecord]:
     """``records`` (lazily), a repeated id turned into an error record, so that every
     rank of a DP run agrees on which record of a repeated id runs: its first."""
     seen: set[str] = set()
     for rec in records:
         if rec.error is None and rec.id in seen:
-            rec.error = f"duplicate id {rec.id!r} in the input"
+            rec.error = duplicate_error(rec.id)
         seen.add(rec.id)
         yield rec
 

@@ -73,12 +73,15 @@ def is_openai_batch(path: str) -> bool:
     return False
 
 
-def read_openai_inputs(path: str) -> Iterator[InputRecord]:
+def read_openai_inputs(path: str,
+                       lines: Iterable[tuple[int, str | None, str | None]] | None = None
+                       ) -> Iterator[InputRecord]:
     """One record per non-empty line of an OpenAI batch file, read lazily; a bad line, or
-    a repeated ``custom_id`` after its first line, is an error record naming the line."""
+    a repeated ``custom_id`` after its first line, is an error record naming the line.
+    ``lines``: ``read_lines(path)`` (or a tap on it: one record per line)."""
     check_input_file(path)
     seen: set[str] = set()  # custom_ids of earlier lines, good or bad
-    for lineno, line, error in read_lines(path):
+    for lineno, line, error in read_lines(path) if lines is None else lines:
         if error is not None:
             yield InputRecord(id=line_record_id(lineno), error=error)
             continue

@@ -93,21 +93,28 @@ class EngineStage:
 
 
 def ray_pipeline(rows_path: str, output_dir: str, stage_kwargs: dict[str, Any], *,
-                 replicas: int = 1, gpus_per_replica: int = 0, batch_size: int = 32,
-                 concurrent_batches: int = 4, max_restarts: int = 2) -> None:
+                 replicas: int = 1, cpus_per_replica: float = 1.0,
+                 gpus_per_replica: int = 0, batch_size: int = 16,
+                 concurrent_batches: int = 4, stage: type = EngineStage) -> None:
     """Read ``rows_path`` (JSON lines ``{"lineno", "line"}``), map the rows through
     ``replicas`` ``EngineStage`` replicas (``stage_kwargs``: its constructor's), write
-    the output rows as JSON files into ``output_dir``. A replica on CUDA holds
-    ``gpus_per_replica`` GPUs (its ``tensor_parallel_size``: one actor process, so
-    they are on one node, and its TP ranks see them). A replica that dies is restarted
-    up to ``max_restarts`` times and its batches are run again (Ray's retries): each
-    input row is written once."""
+    the output rows as JSON files into ``output_dir``.
+
+    Each replica reserves ``cpus_per_replica`` of Ray's CPUs (its engine's threads are
+    its own business; leave Ray a CPU for reading and writing) and, on CUDA,
+    ``gpus_per_replica`` GPUs: its ``tensor_parallel_size``, held by the one actor
+    process, so on one node, where its TP ranks see them. ``concurrent_batches``
+    batches are answered at once by each replica, all into its one engine. A replica
+    that dies is restarted and its batches run again (Ray Data's actor retries): each
+    input row is written once. ``stage``: ``EngineStage`` or a subclass."""
     import ray.data
 
     ds = ray.data.read_json(rows_path)
     ds = ds.map_batches(
-        EngineStage, fn_constructor_kwargs=stage_kwargs, concurrency=replicas,
-        batch_size=batch_size, num_gpus=gpus_per_replica or None,
-        max_concurrency=concurrent_batches, max_restarts=max_restarts,
-        max_task_retries=-1)
+        stage, fn_constructor_kwargs=stage_kwargs, batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(
+            size=replicas, max_tasks_in_flight_per_actor=concurrent_batches,
+            max_concurrent_calls_per_actor=concurrent_batches,
+            enable_true_multi_threading=True),
+        num_cpus=cpus_per_replica, num_gpus=gpus_per_replica or None)
     ds.write_json(output_dir)
