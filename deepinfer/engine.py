@@ -5,9 +5,8 @@ wait for the sampled ids -> ``Scheduler.update()`` -> stop strings, logprobs, fi
 requests. ``drain()`` steps until the work is done (``LLM``, the one-engine and DP jobs
 drive it); with ``async_scheduling`` step k+1 is launched before step k's ids reach the
 host (docs/scheduling.md, "Overlapped scheduling"). ``export_sequence`` /
-``import_sequence`` move a prefilled sequence between engines (disaggregated
-prefill/decode). Grammars (``structured_outputs``) and multi-token bad words are masked
-on the host (``deepinfer.step_masks``), the rest of the steering on the device.
+``import_sequence`` move a prefilled sequence between engines (PD). Grammars and
+multi-token bad words are masked on the host (``step_masks``), other steering on device.
 """
 
 from __future__ import annotations
@@ -105,7 +104,6 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.masks = StepMasks(self.structured, cfg.vocab_size)
         self.reasoning_end = reasoning_end_token(self.tokenizer, args.reasoning_parser)
-        # generation_config.json's sampling defaults, for the fields a request leaves out.
         self.sampling_defaults = checked_defaults(
             cfg.generation_defaults if args.generation_config == "auto" else {})
         self.requests: dict[str, RequestState] = {}
@@ -188,13 +186,19 @@ class LLMEngine:
             validate_request(self.scheduler.config, request_id, req.prompt_token_ids,
                              params.max_tokens, n=params.n, min_tokens=params.min_tokens,
                              max_live=self.scheduler.state_manager.max_live)
-            self.structured.add(request_id, params.structured_outputs, stop_ids,
-                                after=self.reasoning_end if req.thinking else None)
-        else:
+        self._watch_masks(req, stop_ids, park=True)
+        if params.structured_outputs is None:
             self._queue(req)
-        self.masks.watch(request_id, steering, params.structured_outputs is not None)
         self.requests[request_id] = req
         self.stats.num_requests += 1
+
+    def _watch_masks(self, req: RequestState, stop_ids, park: bool) -> None:
+        """Register a request's grammar (``park``: held until compiled) and host steering."""
+        so = req.params.structured_outputs
+        if so is not None:
+            self.structured.add(req.request_id, so, stop_ids, park=park,
+                                after=self.reasoning_end if req.thinking else None)
+        self.masks.watch(req.request_id, req.steering, so is not None)
 
     def _queue(self, req: RequestState) -> None:
         """Hand a request to the scheduler (at once, or when its grammar is compiled)."""
@@ -257,16 +261,13 @@ class LLMEngine:
             stop_token_ids=exp.stop_token_ids, min_tokens=params.min_tokens)
         if seq is None:
             return None
-        steering = resolve_steering(exp.request_id, params, self.tokenizer,
-                                    self.model_config.vocab_size)
         req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
                            frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs,
-                           thinking=exp.thinking, steering=steering)
+                           thinking=exp.thinking,
+                           steering=resolve_steering(exp.request_id, params, self.tokenizer,
+                                                     self.model_config.vocab_size))
         self.requests[exp.request_id] = req
-        if params.structured_outputs is not None:
-            self.structured.add(exp.request_id, params.structured_outputs, exp.stop_token_ids,
-                                park=False, after=self.reasoning_end if req.thinking else None)
-        self.masks.watch(exp.request_id, steering, params.structured_outputs is not None)
+        self._watch_masks(req, exp.stop_token_ids, park=False)
         st = self._start_sample(req, seq)
         if st.logprobs is not None and exp.logprobs:
             st.logprobs.extend(exp.logprobs)

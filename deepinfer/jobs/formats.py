@@ -9,7 +9,6 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from deepinfer.jobs.input_lines import read_lines
 from deepinfer.jobs.input_records import InputRecord, read_inputs
 from deepinfer.jobs.openai_batch import OpenAIFormat, is_openai_batch, read_openai_inputs
 from deepinfer.jobs.output_records import NATIVE
@@ -46,20 +45,6 @@ class JobInput:
         """``"openai"``, ``"txt"`` or ``"jsonl"``: how each line is parsed."""
         return "openai" if self.openai else ("txt" if self.path.endswith(".txt")
                                              else "jsonl")
-
-    def with_lines(self) -> Iterator[tuple[InputRecord, int, str | None]]:
-        """Each record with the line it came from: ``(record, lineno, text)`` (text None
-        for a line that is not UTF-8)."""
-        last: list[tuple[int, str | None, str | None]] = []
-
-        def tap() -> Iterator[tuple[int, str | None, str | None]]:
-            for item in read_lines(self.path):
-                last[:] = [item]
-                yield item
-
-        read = read_openai_inputs if self.openai else read_inputs
-        for rec in read(self.path, tap()):
-            yield rec, last[0][0], last[0][1]
 
 
 def open_job(path: str, fmt: str = "auto", model: str | None = None,

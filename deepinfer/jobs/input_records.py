@@ -44,6 +44,7 @@ class InputRecord:
     model: str | None = None  # OpenAI batch format: the line's body.model
     echo: bool = False  # OpenAI completions: the prompt leads the text and the logprobs
     chat_template_kwargs: dict[str, Any] | None = None  # the line's template variables
+    source: tuple[int, str] | None = None  # (line number, text) of a line that parsed
 
     @property
     def shown_prompt(self) -> str | Messages | None:
@@ -51,23 +52,22 @@ class InputRecord:
         return self.prompt if self.prompt is not None else self.messages
 
 
-def read_inputs(path: str, lines: Iterable[tuple[int, str | None, str | None]] | None = None
-                ) -> Iterator[InputRecord]:
+def read_inputs(path: str) -> Iterator[InputRecord]:
     """Yield one record per non-empty line; the default id is the 1-based line number.
     Raises ``FileNotFoundError`` / ``ValueError`` naming ``--input`` for a missing file, a
-    folder or an unknown extension. ``lines``: ``read_lines(path)`` (a caller may pass it
-    through a tap: each line gives exactly one record)."""
+    folder or an unknown extension."""
     check_input_file(path)
     is_jsonl = path.endswith((".jsonl", ".json"))
     if not is_jsonl and not path.endswith(".txt"):
         raise ValueError(f"--input {path!r}: expected a .txt or .jsonl file")
-    for lineno, line, error in read_lines(path) if lines is None else lines:
+    for lineno, line, error in read_lines(path):
         if error is not None:
             yield InputRecord(id=str(lineno), error=error)
-        elif not is_jsonl:
-            yield InputRecord(id=str(lineno), prompt=line)
-        else:
-            yield parse_jsonl_line(line, lineno)
+            continue
+        rec = parse_jsonl_line(line, lineno) if is_jsonl else InputRecord(id=str(lineno),
+                                                                           prompt=line)
+        rec.source = (lineno, line)
+        yield rec
 
 
 def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
@@ -132,18 +132,13 @@ def structured_overrides(overrides: dict[str, Any], response_format: Any) -> Non
             overrides["structured_outputs"] = fmt
 
 
-def duplicate_error(record_id: str) -> str:
-    """The error of a record whose id an earlier record of the input has."""
-    return f"duplicate id {record_id!r} in the input"
-
-
 def mark_duplicates(records: Iterable[InputRecord]) -> Iterator[InputRecord]:
     """``records`` (lazily), a repeated id turned into an error record, so that every
     rank of a DP run agrees on which record of a repeated id runs: its first."""
     seen: set[str] = set()
     for rec in records:
         if rec.error is None and rec.id in seen:
-            rec.error = duplicate_error(rec.id)
+            rec.error = f"duplicate id {rec.id!r} in the input"
         seen.add(rec.id)
         yield rec
 

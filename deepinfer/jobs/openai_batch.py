@@ -73,19 +73,17 @@ def is_openai_batch(path: str) -> bool:
     return False
 
 
-def read_openai_inputs(path: str,
-                       lines: Iterable[tuple[int, str | None, str | None]] | None = None
-                       ) -> Iterator[InputRecord]:
+def read_openai_inputs(path: str) -> Iterator[InputRecord]:
     """One record per non-empty line of an OpenAI batch file, read lazily; a bad line, or
-    a repeated ``custom_id`` after its first line, is an error record naming the line.
-    ``lines``: ``read_lines(path)`` (or a tap on it: one record per line)."""
+    a repeated ``custom_id`` after its first line, is an error record naming the line."""
     check_input_file(path)
     seen: set[str] = set()  # custom_ids of earlier lines, good or bad
-    for lineno, line, error in read_lines(path) if lines is None else lines:
+    for lineno, line, error in read_lines(path):
         if error is not None:
             yield InputRecord(id=line_record_id(lineno), error=error)
             continue
         rec = parse_openai_line(line, lineno)
+        rec.source = (lineno, line)
         if rec.error is None and rec.custom_id in seen:
             rec.id = line_record_id(lineno)
             rec.error = f"line {lineno}: duplicate custom_id {rec.custom_id!r}"

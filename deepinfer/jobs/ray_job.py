@@ -26,8 +26,7 @@ from typing import Any
 
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import JobInput, warn_other_models
-from deepinfer.jobs.input_index import InputIndex
-from deepinfer.jobs.input_records import duplicate_error
+from deepinfer.jobs.input_index import InputIndex, pending_stream
 from deepinfer.jobs.output_records import NATIVE, write_record
 from deepinfer.jobs.parts import merge_outputs
 from deepinfer.jobs.resume import announce_resume, load_resume_state
@@ -45,18 +44,15 @@ def write_rows(inputs: JobInput, done: set[str], rows_path: str, out: Any, fmt: 
     """The pending good lines of ``inputs`` as rows ``{"lineno", "line"}`` in
     ``rows_path``; the lines that fail by themselves written to ``out`` as error records
     at once. Returns (rows written, error records written)."""
-    seen: set[str] = set()
     rows = failed = 0
     with open(rows_path, "w", encoding="utf-8") as f:
-        for rec, lineno, text in inputs.with_lines():
-            if rec.error is None and rec.id in seen:
-                rec.error = duplicate_error(rec.id)
-            seen.add(rec.id)
+        for rec in pending_stream(inputs, done):
             if rec.error is not None:
                 fmt.track(rec)
                 write_record(out, fmt.error(rec.id, rec.error))
                 failed += 1
-            elif rec.id not in done:
+            else:
+                lineno, text = rec.source
                 f.write(json.dumps({"lineno": lineno, "line": text}, ensure_ascii=False)
                         + "\n")
                 rows += 1
