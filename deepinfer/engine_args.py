@@ -92,6 +92,10 @@ class EngineArgs:
         None, "seed of the random stream that requests without a seed of their own draw "
         "from (None: torch's global generator)", type=int, flag="--engine-seed")
 
+    def num_seqs_on(self, on_cuda: bool) -> int:
+        """``max_num_seqs``, or its default for the device: 256 on CUDA, 64 on CPU."""
+        return self.max_num_seqs or (256 if on_cuda else 64)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

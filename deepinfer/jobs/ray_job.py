@@ -29,7 +29,9 @@ from deepinfer.jobs.formats import JobInput, warn_other_models
 from deepinfer.jobs.input_index import InputIndex, pending_stream
 from deepinfer.jobs.output_records import NATIVE, write_record
 from deepinfer.jobs.parts import merge_outputs
+from deepinfer.jobs.ray_stage import ray_pipeline, record_of_row
 from deepinfer.jobs.resume import announce_resume, load_resume_state
+from deepinfer.jobs.run_loop import IN_FLIGHT_PER_BATCH
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -37,6 +39,18 @@ def replica_cpus(cluster_cpus: float, replicas: int) -> float:
     """Ray CPUs each replica reserves: one, or less where the cluster has fewer than one
     each plus one for Ray's reads and writes (an engine uses the cores it finds)."""
     return max(0.1, min(1.0, (cluster_cpus - 1) / replicas))
+
+
+def replica_batches(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[int, int]:
+    """(rows a Ray batch, batches a replica answers at once): together the requests a
+    replica keeps in flight, ``--max-in-flight`` or its default (``IN_FLIGHT_PER_BATCH``
+    engine batches), so that its engine's batch stays full as Ray batches come and go.
+    Batches of 16 to 64 rows: smaller ones cost Ray a task each, larger ones hold their
+    first records back longer."""
+    seqs = engine_args.num_seqs_on(str(engine_args.device).startswith("cuda"))
+    in_flight = getattr(args, "max_in_flight", None) or IN_FLIGHT_PER_BATCH * seqs
+    batch = max(16, min(64, in_flight // 16))
+    return batch, max(1, -(-in_flight // batch))
 
 
 def write_rows(inputs: JobInput, done: set[str], rows_path: str, out: Any, fmt: Any
@@ -66,8 +80,6 @@ def run_ray_job(args: argparse.Namespace, engine_args: EngineArgs,
     when a record failed)."""
     import ray
 
-    from deepinfer.jobs.ray_stage import ray_pipeline
-
     index = InputIndex.of(inputs)
     if fmt is not NATIVE:
         warn_other_models(index.models, args.input, engine_args.model)
@@ -94,9 +106,11 @@ def run_ray_job(args: argparse.Namespace, engine_args: EngineArgs,
                      "default_params": default_params, "chat": args.chat,
                      "template_kwargs": args.chat_template_kwargs,
                      "token_ids": getattr(args, "return_tokens_as_token_ids", False)}
+            batch, calls = replica_batches(args, engine_args)
             ray_pipeline(os.path.join(work, "rows.jsonl"), os.path.join(work, "out"),
                          stage, replicas=args.replicas, cpus_per_replica=cpus,
-                         gpus_per_replica=engine_args.tensor_parallel_size if on_cuda else 0)
+                         gpus_per_replica=engine_args.tensor_parallel_size if on_cuda else 0,
+                         batch_size=batch, concurrent_batches=calls, num_rows=rows)
             ok, errors = append_ray_output(os.path.join(work, "out"), args.output)
             failed += errors
             if started and args.ray == "local":
@@ -121,15 +135,15 @@ def quiet_ray_data(progress: bool) -> None:
 
 
 def append_ray_output(folder: str, output: str) -> tuple[int, int]:
-    """Append the ``record`` of every row of Ray's output files in ``folder`` to
-    ``output``; returns (records ok, error records)."""
+    """Append the line of every row of Ray's output files in ``folder`` to ``output``
+    (``ray_stage.record_of_row``); returns (records ok, error records)."""
     ok = failed = 0
     with open(output, "a", encoding="utf-8") as out:
         for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     row = json.loads(line)
-                    out.write(row["record"] + "\n")
+                    out.write(json.dumps(record_of_row(row), ensure_ascii=False) + "\n")
                     if row.get("error") is None:
                         ok += 1
                     else:

@@ -1,7 +1,8 @@
 """The engine behind a Ray replica, without Ray: ``EngineThread`` takes requests from
 several threads at once into one engine (each gets its own output; a refused one fails
 alone), and ``EngineStage`` turns a batch of input lines into rows holding the lines a
-one-engine run writes, bad rows as error rows."""
+one-engine run writes (its fields as columns, in both formats, logprob maps included),
+bad rows as error rows."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer.generate import main
 from deepinfer.jobs.engine_thread import EngineThread, result_of
 from deepinfer.jobs.input_records import JobRequest
-from deepinfer.jobs.ray_stage import EngineStage
+from deepinfer.jobs.ray_stage import COLUMNS, EngineStage, record_of_row
 from deepinfer.sampling.params import SamplingParams
 
 ARGS = {"device": "cpu", "kv_cache_memory": 8 << 20, "max_model_len": 64}
@@ -67,9 +68,49 @@ def test_stage_rows_hold_the_lines_of_a_one_engine_run(tmp_path, tiny):
     stage = EngineStage({"model": tiny, **ARGS}, "jsonl",
                         SamplingParams.defaults(temperature=0.0, max_tokens=128))
     rows = stage({"lineno": [1, 2, 3, 4], "line": lines})
+    assert tuple(rows) == COLUMNS["native"]
     assert rows["id"] == ["a", "2", "b", "c"]
-    assert dict(zip(rows["id"], rows["record"])) == want
     assert [e is not None for e in rows["error"]] == [False, True, True, False]
     assert "top_p=7" in rows["error"][2]
+    assert [o is not None for o in rows["outputs"]] == [True, False, False, True]
+    got = [record_of_row({c: rows[c][i] for c in rows}) for i in range(4)]
+    assert {r["id"]: json.dumps(r, ensure_ascii=False) for r in got} == want
     with pytest.raises(ValueError, match="kind='csv'"):
         EngineStage({"model": tiny, **ARGS}, "csv", SamplingParams())
+
+
+def test_stage_rows_of_openai_lines_with_logprobs(tmp_path, tiny):
+    """OpenAI batch lines, logprobs (maps keyed by token text) and an error line: each
+    row's columns give back, through ``record_of_row``, the line the CLI writes (less the
+    ``created`` time stamp)."""
+    def body(i: int) -> dict:
+        return {"model": "m", "prompt": f"count {i}", "max_tokens": 3, "logprobs": 2,
+                "temperature": 0}
+
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": body(i)}) for i in range(3)]
+    lines.insert(1, json.dumps({"custom_id": "bad", "method": "POST",
+                                "url": "/v1/nothing", "body": body(9)}))
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    one = tmp_path / "one.jsonl"
+    assert main(["--input", str(inp), "--output", str(one), "--model", tiny, "--device",
+                 "cpu", "--kv-cache-memory", str(8 << 20), "--max-model-len", "64",
+                 "--no-progress"]) == 1
+
+    def stamped(line: dict) -> dict:
+        if line["response"] is not None:
+            line["response"]["body"]["created"] = 0
+        return line
+
+    want = {r["custom_id"]: stamped(r) for r in map(json.loads,
+                                                    one.read_text().splitlines())}
+    stage = EngineStage({"model": tiny, **ARGS}, "openai",
+                        SamplingParams.defaults(temperature=0.0, max_tokens=16))
+    rows = stage({"lineno": [1, 2, 3, 4], "line": lines})
+    assert tuple(rows) == COLUMNS["openai"]
+    assert all(isinstance(v, str) for v in rows["response"] if v is not None)
+    got = [stamped(record_of_row({c: rows[c][i] for c in rows})) for i in range(4)]
+    assert {r["custom_id"]: r for r in got} == want
+    assert [r["error"] is None for r in got] == [True, False, True, True]
+    assert got[0]["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"][0]

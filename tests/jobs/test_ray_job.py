@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from deepinfer.generate import main  # noqa: E402
-from deepinfer.jobs.ray_stage import EngineStage, ray_pipeline  # noqa: E402
+from deepinfer.jobs.ray_stage import EngineStage, ray_pipeline, record_of_row  # noqa: E402
 from deepinfer.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def test_a_killed_replica_is_retried(tmp_path, tiny, cluster):
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inp = _input(tmp_path, 16)
-    want = {json.loads(x)["id"]: x for x in _one_engine(tmp_path, inp, tiny)
+    want = {json.loads(x)["id"]: json.loads(x) for x in _one_engine(tmp_path, inp, tiny)
             if "duplicate id" not in x}
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"lineno": i, "line": line}) + "\n"
@@ -118,15 +118,19 @@ def test_a_killed_replica_is_retried(tmp_path, tiny, cluster):
                              "max_model_len": 64},
              "kind": "jsonl", "marker": str(marker),
              "default_params": SamplingParams.defaults(temperature=0.0, max_tokens=4)}
-    ray_pipeline(str(rows), str(tmp_path / "out"), stage, replicas=2, cpus_per_replica=0.5,
-                 batch_size=4, stage=DiesOnce)
+    bundles = ray_pipeline(str(rows), str(tmp_path / "out"), stage, replicas=2,
+                           cpus_per_replica=0.5, batch_size=4, stage=DiesOnce)
+    # The replicas ran in one placement group, a bundle each, freed at the end.
+    assert bundles == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert not [g for g in ray.util.placement_group_table().values()
+                if g["state"] != "REMOVED"]
     assert marker.exists()  # a replica did die
     got = [json.loads(line) for f in sorted((tmp_path / "out").glob("*.json"))
            for line in f.read_text().splitlines()]
     ids = [r["id"] for r in got]
     assert sorted(ids) == sorted(set(ids))  # nothing twice
-    assert {r["id"]: r["record"] for r in got} == {k: v for k, v in want.items()
-                                                   if k in ids}
+    assert {r["id"]: record_of_row(r) for r in got} == {k: v for k, v in want.items()
+                                                        if k in ids}
     assert len(ids) == 17  # every row sent came back (19 lines less the 2 written apart)
 
 
