@@ -19,7 +19,9 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
+from deepinfer.host_copy import to_device
 from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
+from deepinfer.kv_handoff import export_kv, handoff_bytes, import_kv
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import KernelBackend
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
@@ -200,47 +202,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV hand-off
     def transfer_bytes(self, num_blocks: int, num_seqs: int) -> int:
-        """Size of an ``export_kv`` payload of ``num_blocks`` blocks and ``num_seqs``
-        state rows."""
-        kv = self.kv_cache
-        block = kv[:, :, 0].numel() * kv.element_size()
-        row = sum(t[0].numel() * t.element_size() for t in self.states)
-        return num_blocks * block + num_seqs * row
+        """Size of an ``export_kv`` payload (``deepinfer.kv_handoff.handoff_bytes``)."""
+        return handoff_bytes(self.kv_cache, self.states, num_blocks, num_seqs)
 
     def export_kv(self, blocks: list[int], slots: list[int]) -> torch.Tensor:
-        """Flat uint8 payload on the device: ``kv_cache[:, :, blocks]`` ([L, 2, nb, bs,
-        Hkv, D]) then, per state tensor, its rows ``[slots]``. Bytes, not typed tensors,
-        so that one send carries everything whatever the dtypes (gloo/NCCL need no
-        bf16/bool support)."""
-        dev = self.kv_cache.device
-        bidx = torch.tensor(blocks, dtype=torch.int64, device=dev)
-        sidx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        return torch.cat([self.kv_cache.index_select(2, bidx).reshape(-1).view(torch.uint8)]
-                         + [t.index_select(0, sidx).reshape(-1).view(torch.uint8)
-                            for t in self.states])
+        """KV ``blocks`` and state rows ``slots`` as one flat uint8 payload on the device
+        (``deepinfer.kv_handoff.export_kv``)."""
+        return export_kv(self.kv_cache, self.states, blocks, slots)
 
     def import_kv(self, payload: torch.Tensor, blocks: list[int], slots: list[int]) -> None:
-        """Scatter an ``export_kv`` payload (uint8 ``[transfer_bytes(...)]``) into
-        ``blocks`` and state ``slots`` of this runner."""
-        kv = self.kv_cache
-        dev = kv.device
-        shape = list(kv.shape)
-        shape[2] = len(blocks)
-        nkv = kv[:, :, 0].numel() * kv.element_size() * len(blocks)
-        # KV bytes come first, so the typed views below stay aligned.
-        src = payload[:nkv].view(kv.dtype).view(shape)
-        kv.index_copy_(2, torch.tensor(blocks, dtype=torch.int64, device=dev), src)
-        sidx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        off = nkv
-        for t in self.states:
-            n = len(slots) * t[0].numel() * t.element_size()
-            rows = payload[off:off + n].view(t.dtype).view(len(slots), *t.shape[1:])
-            t.index_copy_(0, sidx, rows)
-            off += n
+        """Scatter an ``export_kv`` payload into ``blocks`` and state ``slots``."""
+        import_kv(self.kv_cache, self.states, payload, blocks, slots)
 
     # ------------------------------------------------------------------ one step
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -274,8 +250,9 @@ class ModelRunner:
                 logits_mask: Callable[[], TokenMask | None] | None = None,
                 score_k: int = 0) -> SampledTokens:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
-        without waiting for the device (logprobs, when asked for, are read at once; so
-        are a prompt step's scored rows, ``prompt_scores``, with their top ``score_k``).
+        without waiting for the device (logprobs, when asked for, come with the ids; a
+        prompt step's scored rows, ``prompt_scores``, with their top ``score_k``, are
+        read at once).
 
         ``logits_mask`` (structured output): the sampling is deferred (the handle's
         ``finish_sampling()`` or ``result()`` enqueues it); it calls ``logits_mask()``
@@ -355,7 +332,8 @@ class ModelRunner:
         ``slots`` (int64 ``[num_samples]`` on the device) and the ids' copy to the host."""
         if logits_mask is not None:
             logits = apply_token_mask(logits, logits_mask(), self._mask_staging)
-        token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states, owned=True)
+        token_ids, logprobs = self.sampler.sample(logits, st, slots, self.states, owned=True,
+                                                  lazy_logprobs=True)
         if st.do_repetition or st.do_presence_frequency:
             # Counts only matter to rows with a penalty (a row's params never change, so
             # a step without one holds no row that will ever read them).
@@ -370,6 +348,8 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             host.copy_(token_ids, non_blocking=True)
+            if logprobs is not None:
+                logprobs.copy_to_host()
             event = torch.cuda.Event()
             event.record(stream)
         token_ids.record_stream(stream)  # the allocator must not reuse it before the copy

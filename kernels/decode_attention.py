@@ -40,7 +40,7 @@ _MAX_SPLITS = 64  # the merge kernel's [splits, D] register tile
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_ptr, lse_ptr,
-    qk_scale, split_len,
+    qk_scale,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -68,12 +68,13 @@ def _decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
+        # Each sequence spreads its own keys over the splits (whole key tiles each), read
+        # on the device: the launch's length bound (a CUDA graph's is max_model_len) only
+        # sets how many splits there are, so a short context still uses all of them.
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N),
+                               1) * BLOCK_N
         start = s * split_len
         end = tl.minimum(seq_len, start + split_len)
-        # The last split runs to the true end, so a too-small max_seq_len hint costs speed,
-        # never correctness.
-        if s == tl.num_programs(2) - 1:
-            end = seq_len
     else:
         start = 0
         end = seq_len
@@ -212,7 +213,6 @@ def decode_launches(
     # The merge keeps a [splits, D] fp32 tile in registers: 64 splits at most.
     splits = min(num_splits, _MAX_SPLITS) if num_splits is not None else choose_num_splits(
         batch, num_kv_heads, bound, block_n, target.num_sms)
-    split_len = max(block_n, triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n)
     precision, upcast = dot_flags(q.dtype, target.interpret)
     common = dict(
         GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -224,7 +224,7 @@ def decode_launches(
         return [Launch(_decode_kernel, (batch, num_kv_heads, 1), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, out, out,
-            sm_scale * LOG2E, split_len,
+            sm_scale * LOG2E,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             0, 0, 0, 0, 0,
@@ -237,7 +237,7 @@ def decode_launches(
         Launch(_decode_kernel, (batch, num_kv_heads, splits), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, part, lse,
-            sm_scale * LOG2E, split_len,
+            sm_scale * LOG2E,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
@@ -271,8 +271,9 @@ def paged_decode_attention(
 
     ``num_splits`` forces the number of KV splits (1 = unsplit, at most 64); by default it
     is chosen from the GPU's SM count. ``max_seq_len`` is an optional host-int upper bound on
-    ``seq_lens`` used to size the splits (default: ``max_blocks * block_size``); seq_lens
-    itself is never read on the host. Nor are the table's values: the caller guarantees
+    ``seq_lens`` used to choose how many splits (default: ``max_blocks * block_size``);
+    each sequence then spreads its own ``seq_lens[b]`` keys over them, read on the device:
+    seq_lens itself is never read on the host. Nor are the table's values: the caller guarantees
     ``seq_lens[b] <= max_blocks * block_size`` and valid block ids in the first
     ``cdiv(seq_lens[b], block_size)`` entries of row b (the scheduler's tables are; a host
     check would be a sync per step).

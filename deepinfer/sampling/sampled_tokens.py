@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.sampling.token_logprobs import TokenLogprobs
+
 
 class SampledTokens:
     """A launched step's sampled ids. ``result()`` waits for them: on CUDA they are copied
@@ -18,10 +20,13 @@ class SampledTokens:
     that enqueues it and returns the ``SampledTokens`` it produced. ``finish_sampling()``
     runs it; ``result()`` does so first if no one did.
 
+    ``logprobs``: a list, or a ``TokenLogprobs`` whose host copy is behind the same event
+    (read by ``result()``).
+
     ``prompt_scores``: a prompt step's scored rows (``deepinfer.prompt_scoring``), read at
     launch; None when the step scored none."""
 
-    def __init__(self, ids: torch.Tensor | None, logprobs: list | None,
+    def __init__(self, ids: torch.Tensor | None, logprobs: list | TokenLogprobs | None,
                  host: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
                  *, pending: Callable[[], SampledTokens] | None = None,
                  prompt_scores: Any = None) -> None:
@@ -54,9 +59,11 @@ class SampledTokens:
     def result(self) -> tuple[list[int], list | None]:
         """The sampled ids (one per sample, sample order) and logprobs (or None)."""
         self.finish_sampling()
-        if self._ids is None:
-            return [], self.logprobs
         if self._event is not None:
             self._event.synchronize()
-            return self._host.tolist(), self.logprobs
-        return self._ids.tolist(), self.logprobs
+        logprobs = self.logprobs
+        if isinstance(logprobs, TokenLogprobs):  # read now that its copy has landed
+            logprobs = logprobs.lists()
+        if self._ids is None:
+            return [], logprobs
+        return (self._host if self._event is not None else self._ids).tolist(), logprobs

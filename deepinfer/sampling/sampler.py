@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.host_copy import to_device
 from deepinfer.models.backend import KernelBackend
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.steering import StepSteering
 from deepinfer.sampling.table import NO_SEED, SamplingRows, seeded_uniforms
+from deepinfer.sampling.token_logprobs import TokenLogprobs
 from deepinfer_kernels import reference
 
 # Indices into the float rows of SamplingTensors.floats.
@@ -123,10 +125,9 @@ class SamplingTensors:
                     b_rows.append(i)
                     b_cols.append(int(t))
         device = torch.device(device)
-        pin = device.type == "cuda"
 
         def put(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+            return to_device(t, device)
 
         greedy = rows.greedy
         sampled = ~greedy
@@ -212,7 +213,8 @@ class Sampler:
         sample_slots: torch.Tensor | None = None,
         states: Sequence[torch.Tensor] | None = None,
         owned: bool = False,
-    ) -> tuple[torch.Tensor, list[dict[int, float] | None] | None]:
+        lazy_logprobs: bool = False,
+    ) -> tuple[torch.Tensor, list[dict[int, float] | None] | TokenLogprobs | None]:
         """Sample one token per row.
 
         - ``logits`` ``[N, V]`` (float32, or anything castable): not modified, unless
@@ -225,7 +227,9 @@ class Sampler:
 
         Returns ``token_ids`` ``[N]`` int64 on the logits' device, and per row either
         ``{token_id: logprob}`` (top-``logprobs`` plus the sampled token, raw logits) or
-        None, or None for the whole list when no row asked for logprobs.
+        None, or None for the whole list when no row asked for logprobs. With
+        ``lazy_logprobs`` that list comes as a ``TokenLogprobs`` still on the device (its
+        ``lists()`` builds it), so the call reads nothing back from the device.
         """
         n = logits.shape[0]
         if st.top_k.shape[0] != n:
@@ -260,11 +264,10 @@ class Sampler:
             if greedy_ids is not None:
                 token_ids = torch.where(st.greedy, greedy_ids, token_ids)
 
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, token_ids, st.logprobs,
-                                             st.max_logprobs)
-        return token_ids, logprobs
+        if raw_logprobs is None:
+            return token_ids, None
+        logprobs = gather_logprobs(raw_logprobs, token_ids, st.logprobs, st.max_logprobs)
+        return token_ids, logprobs if lazy_logprobs else logprobs.lists()
 
     # ------------------------------------------------------------------ steps
     @staticmethod
@@ -320,26 +323,16 @@ class Sampler:
         # Already scaled by the temperature: the draw itself divides by one.
         return self.ops.sample_tokens(logits, torch.ones_like(uniform), uniform)
 
-    @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                         wanted: np.ndarray, k: int) -> list[dict[int, float] | None]:
-        """Top-``k`` (max over rows) plus the sampled token's logprob; one host copy."""
-        sampled = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        k = min(k, raw.shape[-1])
-        if k > 0:
-            top_vals, top_ids = raw.topk(k, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        sampled_l, ids_l = sampled.tolist(), token_ids.tolist()
-        out: list[dict[int, float] | None] = []
-        for i, want in enumerate(wanted.tolist()):
-            if want < 0:
-                out.append(None)
-                continue
-            d = {ids_l[i]: sampled_l[i]}
-            for j in range(min(want, k)):
-                d.setdefault(top_ids[i][j], top_vals[i][j])
-            out.append(d)
-        return out
+
+def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                    wanted: np.ndarray, k: int) -> TokenLogprobs:
+    """The sampled tokens' logprobs and the top-``k`` of ``raw`` (``[N, V]`` float32
+    logprobs; ``token_ids`` ``[N]`` int64; ``wanted`` host ``[N]``, -1 = none), on the
+    device."""
+    sampled = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    k = min(k, raw.shape[-1])
+    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+    return TokenLogprobs(token_ids, sampled, top_vals, top_ids, wanted)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

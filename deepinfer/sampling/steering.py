@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.host_copy import to_device
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -189,7 +190,7 @@ class SteeringTable:
         idx = slots_on_device.long()
         rows = cols = None
         if allowed.size:
-            rows = torch.from_numpy(allowed).to(self.device, non_blocking=True)
+            rows = to_device(torch.from_numpy(allowed), self.device)
             cols = self.allowed_cols[idx[rows]]
         return StepSteering(self.bias_cols[idx] if bias else None,
                             self.bias_values[idx] if bias else None, rows, cols)

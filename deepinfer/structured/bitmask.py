@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.host_copy import to_device, values_to_device
+
 
 @dataclass
 class TokenMask:
@@ -64,8 +66,8 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None,
     ``logits``: ``[N, V]`` (any float dtype; a non-float32 tensor is cast to a float32
     copy first). Returns the masked float32 logits (``logits`` itself, modified in
     place, when it was float32); unchanged when ``mask`` is None. ``staging``: the
-    caller's pinned buffers for a CUDA ``logits`` (without them the mask is copied from
-    pageable memory, which may wait for the device)."""
+    caller's reused pinned buffers for a CUDA ``logits`` (without them the mask is pinned
+    afresh for the copy)."""
     if mask is None or not (mask.rows or mask.bans):
         return logits
     if logits.dtype != torch.float32:
@@ -73,14 +75,17 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None,
     if mask.rows:
         import xgrammar as xgr
 
-        if staging is not None and logits.device.type == "cuda":
-            bitmask = staging.upload(mask.bitmask, logits.device)
+        indices: list[int] | torch.Tensor = mask.rows
+        if logits.device.type == "cuda":
+            bitmask = (staging.upload(mask.bitmask, logits.device) if staging is not None
+                       else to_device(mask.bitmask, logits.device))
+            # xgrammar's CUDA path turns a list into a tensor with a pageable copy.
+            indices = values_to_device(mask.rows, torch.int32, logits.device)
         else:
             bitmask = mask.bitmask.to(logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                        indices=mask.rows)
+                                        indices=indices)
     if mask.bans:
-        rows, cols = (torch.tensor(x, dtype=torch.int64).to(logits.device, non_blocking=True)
-                      for x in mask.bans)
+        rows, cols = (values_to_device(x, torch.int64, logits.device) for x in mask.bans)
         logits.index_put_((rows, cols), logits.new_full((), float("-inf")))
     return logits

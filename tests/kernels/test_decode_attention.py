@@ -67,6 +67,30 @@ def test_decode_many_splits_some_empty():
     assert_close(got, want, BF16)
 
 
+def test_decode_splits_follow_each_sequence_length():
+    """A launch planned for a long bound (a CUDA graph's is max_model_len) still spreads
+    a short sequence's keys over every split: each split of a 200-token sequence holds
+    keys (its partial's lse is finite), a 7-token one fills the first split only; the
+    merged result matches the reference."""
+    from deepinfer_kernels.decode_attention import decode_launches
+    from deepinfer_kernels.runtime import Target, run_launches
+
+    g = generator(13)
+    kv = make_paged_kv([200, 7], 16, 1, 64, F32, g, extra_cols=300)
+    q = randn((2, 2, 64), F32, g)
+    out = torch.full_like(q, float("nan"))
+    launches = decode_launches(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, out,
+                               0.125, 3, 8192, Target.of(q.device))
+    lse = launches[0].args[7]  # [B, splits, Hq], log2 domain
+    lse.fill_(float("nan"))
+    run_launches(launches)
+    assert torch.isfinite(lse[0]).all()
+    assert torch.isfinite(lse[1, 0]).all() and torch.isneginf(lse[1, 1:]).all()
+    want = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                            kv.seq_lens, scale=0.125)
+    assert_close(out, want, F32)
+
+
 def test_decode_choose_num_splits():
     from deepinfer_kernels.decode_attention import choose_num_splits
 
