@@ -406,10 +406,21 @@ class ModelRunner:
         """A TP leader tells its followers that the run is over; returns whether it did
         (not after a step that failed part-way: they are inside that step)."""
         channel, self.channel = self.channel, None
+        if self.tp.size > 1:
+            self.release_graphs()
         if channel is not None and self.tp.leader and not self._broken:
             channel.send_stop()
             return True
         return False
+
+    def release_graphs(self) -> None:
+        """Drop the decode CUDA graphs (later decode steps run eagerly). Under tensor
+        parallelism they captured the group's NCCL all-reduce: they must be gone before
+        the group is destroyed."""
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            torch.cuda.synchronize(self.device)  # no replay of them still in flight
+            del graphs
 
     def _run_model(self, is_prompt: bool, b, ids: torch.Tensor | None) -> torch.Tensor:
         """The forward over launch batch ``b``; ``ids``: resolved input ids on the

@@ -146,4 +146,5 @@ def run_follower(args: EngineArgs, tp: TensorParallel) -> int:
     while (step := channel.recv()) is not None:
         runner.follow(step)
         steps += 1
+    runner.release_graphs()  # before the caller destroys the group they captured
     return steps

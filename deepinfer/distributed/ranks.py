@@ -135,6 +135,9 @@ def init_distributed(info: RankInfo, device: str, timeout_s: float) -> dist.Proc
 def destroy_group() -> None:
     """Leave the default group; a broken group may fail to tear down: ignored, since the
     rank is exiting anyway."""
+    # Objects that still use the group's communicators (CUDA graphs that captured its
+    # all-reduce, held in a reference cycle) are freed first: not after it is gone.
+    gc.collect()
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

@@ -81,6 +81,20 @@ def test_cuda_graphs_match_eager(tiny_checkpoints):
     assert _greedy(eager, prompts=prompts) == with_graphs
 
 
+def test_released_graphs_leave_an_engine_that_runs_eagerly(tiny_checkpoints):
+    """``release_graphs`` (what a TP rank does before its NCCL group is destroyed): the
+    graphs and their pool are gone and decode steps run eagerly, with the same tokens
+    (float32: no near-tie flips between a graph's padded batch and the eager one)."""
+    llm = LLM(tiny_checkpoints["llama3"].path, dtype="float32", device="cuda",
+              max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.3)
+    runner = llm.engine.runner
+    assert runner.graphs is not None
+    with_graphs = _greedy(llm)
+    runner.release_graphs()
+    assert runner.graphs is None
+    assert _greedy(llm) == with_graphs
+
+
 def test_overlapped_scheduling_matches_the_plain_loop(tiny_checkpoints):
     """async_scheduling is on by default on CUDA (with CUDA graphs): placeholder inputs
     resolved on the device, ids copied on a side stream. Tokens equal the plain loop's
