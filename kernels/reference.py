@@ -254,6 +254,25 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
     return torch.where(ok, token_ids, probs.argmax(dim=-1))
 
 
+def inverse_cdf_draw_ok(logits: torch.Tensor, temperatures: torch.Tensor,
+                        uniforms: torch.Tensor, token_ids: torch.Tensor,
+                        rel_tol: float = 1e-5) -> torch.Tensor:
+    """Per row (``[N]`` bool): whether ``token_ids`` ``[N]`` is an inverse-CDF answer of
+    ``softmax(logits / temperature)`` at ``uniforms``, checked in float64 up to
+    ``rel_tol`` of the total: ``cdf[i-1] <= target + tol``, ``cdf[i] >= target - tol``
+    and ``p[i] > 0``. The oracle for any draw whose sums run in another order than
+    ``sample_tokens``' (a row whose target lies within rounding of a boundary may then
+    pick either neighbour, both valid)."""
+    p = torch.softmax(logits.double() / temperatures.double()[:, None], dim=-1)
+    cdf = p.cumsum(dim=-1)
+    total = cdf[:, -1]
+    target, tol = uniforms.double() * total, rel_tol * total
+    i = token_ids.unsqueeze(1)
+    above = cdf.gather(1, i).squeeze(1)
+    below = torch.where(token_ids > 0, cdf.gather(1, (i - 1).clamp(min=0)).squeeze(1), 0.0)
+    return (below <= target + tol) & (above >= target - tol) & (p.gather(1, i).squeeze(1) > 0)
+
+
 # --- mixture of experts ------------------------------------------------------------------
 
 def moe_route(

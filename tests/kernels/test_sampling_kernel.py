@@ -67,17 +67,9 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.
 
 def valid_draws(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
-    """Per row: whether ``ids`` is an inverse-CDF answer at ``u`` (float64), up to
-    ``REL_TOL`` of the total: ``cdf[i-1] <= target + tol``, ``cdf[i] >= target - tol`` and
-    ``p[i] > 0``."""
-    p = torch.softmax(logits.double() / temps.double()[:, None], dim=-1)
-    cdf = p.cumsum(dim=-1)
-    total = cdf[:, -1]
-    target, tol = u.double() * total, REL_TOL * total
-    i = ids.unsqueeze(1)
-    above = cdf.gather(1, i).squeeze(1)
-    below = torch.where(ids > 0, cdf.gather(1, (i - 1).clamp(min=0)).squeeze(1), 0.0)
-    return (below <= target + tol) & (above >= target - tol) & (p.gather(1, i).squeeze(1) > 0)
+    """Per row: whether ``ids`` is an inverse-CDF answer at ``u`` (float64, up to
+    ``REL_TOL`` of the total; ``reference.inverse_cdf_draw_ok``)."""
+    return reference.inverse_cdf_draw_ok(logits, temps, u, ids, REL_TOL)
 
 
 def check_against_reference(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
