@@ -1,9 +1,13 @@
-"""``scripts/gpu_ci.sh`` where there is no GPU: it stops at its environment check with a
-message that says why, and (with ``GPU_CI_WORK`` apart from ``OUT``, as on the device
-tool's machine) leaves in ``OUT`` one archive of its logs, not a tree of files."""
+"""``scripts/gpu_ci.sh`` where there is no GPU: its plan (steps, caps, order) fits one
+device call with the tests first; missing setup stops it at once, naming the missing
+piece, before anything is installed or built; without a GPU it stops at its environment
+check with a message that says why, and (with ``GPU_CI_WORK`` apart from ``OUT``, as on
+the device tool's machine) leaves in ``OUT`` one archive of its logs, not a tree of
+files. Its summary program turns every step's results into one table."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -20,17 +24,96 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or shutil.which("bash"
 
 
 def _script_copy(tmp_path: Path) -> Path:
-    """The script in a folder of its own: its repo root then holds no carried wheels."""
+    """The scripts in a folder of their own: its repo root then holds no carried wheels
+    and no assets."""
     (tmp_path / "repo" / "scripts").mkdir(parents=True)
-    dst = tmp_path / "repo" / "scripts" / "gpu_ci.sh"
-    shutil.copy(ROOT / "scripts" / "gpu_ci.sh", dst)
-    return dst
+    for name in ("gpu_ci.sh", "gpu_ci_env.py", "gpu_ci_summary.py"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "repo" / "scripts" / name)
+    return tmp_path / "repo" / "scripts" / "gpu_ci.sh"
 
 
 def _run(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    base = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
     return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
-                                            **env})
+                          timeout=120, env={k: v for k, v in {**base, **env}.items() if v})
+
+
+def _plan(res: subprocess.CompletedProcess) -> tuple[list[tuple[str, int]], int, int]:
+    """``--plan``'s numbered steps with their caps, and the planned total and budget."""
+    steps = [(m[1], int(m[2])) for m in re.finditer(r"^\s+\d+\.\s+(\S+)\s+(\d+)s",
+                                                    res.stdout, re.M)]
+    total = re.search(r"^planned: (\d+)s of (\d+)s$", res.stdout, re.M)
+    return steps, int(total[1]), int(total[2])
+
+
+def test_default_plan_fits_one_call_tests_first(tmp_path):
+    """The default run's plan, printed without a GPU, a results folder or any setup: at
+    most 500 s in all (setup and summary included), the tests first, then the headline
+    benchmarks; the long steps (FlexAttention's compiles, the MoE sweep, the @slow engine
+    test) are not in it."""
+    res = _run(_script_copy(tmp_path), {}, "--plan")
+    assert res.returncode == 0, res.stderr
+    steps, total, budget = _plan(res)
+    names = [n for n, _ in steps]
+    assert names[:2] == ["kernel-tests", "engine-tests"]
+    assert names[2:] == ["kernel-bench", "e2e-throughput"]
+    assert total <= budget == 500
+    assert total >= sum(cap for _, cap in steps)  # setup and summary counted too
+    assert "over the budget" not in res.stdout
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["scripts"]
+
+
+def test_named_steps_run_in_plan_order_and_an_unknown_one_is_refused(tmp_path):
+    script = _script_copy(tmp_path)
+    res = _run(script, {"GPU_CI_STEPS": "moe-sweep,kernel-tests,flex-bench"}, "--plan")
+    assert [n for n, _ in _plan(res)[0]] == ["kernel-tests", "flex-bench", "moe-sweep"]
+    res = _run(script, {"GPU_CI_STEPS": "all"}, "--plan")
+    assert "over the budget" in res.stdout  # every step: more than one call holds
+    res = _run(script, {"GPU_CI_STEPS": "kernel-tests,kernal-bench"}, "--plan")
+    assert res.returncode == 2
+    assert "unknown step 'kernal-bench'" in res.stderr
+
+
+def test_python3_when_python_has_no_torch(tmp_path):
+    """Without $PYTHON: ``python`` where it imports torch, else ``python3``."""
+    script = _script_copy(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+
+    def interpreter(name: str, body: str) -> None:
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+    interpreter("python3", f'exec {sys.executable} "$@"')
+    interpreter("python", "exit 1")  # a python whose import of torch fails
+    env = {"PYTHON": "", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    assert "python python3," in _run(script, env, "--plan").stdout
+    interpreter("python", f'exec {sys.executable} "$@"')
+    assert "python python," in _run(script, env, "--plan").stdout
+
+
+def test_missing_packages_are_named_before_anything_runs(tmp_path):
+    """An interpreter that has none of the carried packages (``-S``: no site-packages)
+    and no .whl/: the script stops with rc 1 naming each, before installing wheels or
+    checking the environment."""
+    wrapper = tmp_path / "bare-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    wrapper.chmod(0o755)
+    work = tmp_path / "work"
+    res = _run(_script_copy(tmp_path), {"PYTHON": str(wrapper), "OUT": str(work)})
+    assert res.returncode == 1
+    for name in ("xgrammar", "gguf", "jsonschema"):
+        assert f"{name} (no wheel in .whl/, not importable by {wrapper})" in res.stderr
+    assert "scripts/gpu_prepare.sh" in res.stderr
+    assert sorted(p.name for p in (work / "logs").iterdir()) == ["plan.txt", "setup.err"]
+
+
+def test_missing_tokenizer_is_named_when_structured_runs(tmp_path):
+    work = tmp_path / "work"
+    res = _run(_script_copy(tmp_path), {"OUT": str(work), "GPU_CI_STEPS": "structured"})
+    assert res.returncode == 1
+    assert ".gpu_assets/smollm2-tokenizer" in res.stderr
+    assert sorted(p.name for p in (work / "logs").iterdir()) == ["plan.txt", "setup.err"]
 
 
 def test_needs_a_results_folder(tmp_path):
@@ -52,13 +135,6 @@ def test_stops_without_a_gpu_and_packs_its_logs(tmp_path):
     assert (work / "logs" / "env.err").exists()
 
 
-def _summary_program() -> str:
-    """The Python of the script's summary step (its second here-document)."""
-    text = (ROOT / "scripts" / "gpu_ci.sh").read_text()
-    start = text.index("\n", text.index("GPU_CI_SECONDS=")) + 1
-    return text[start:text.index("\nPYEOF", start)]
-
-
 def test_summary_table_from_every_step(tmp_path):
     """The summary step reads what each step leaves (real CPU results of the benchmarks
     standing in for the GPU's, same formats) and writes one table with a line per step;
@@ -74,7 +150,8 @@ def test_summary_table_from_every_step(tmp_path):
         "triton": "3.6.0", "flash_attn": None, "xgrammar": "0.2.9"}))
     steps = ["env", "kernel-tests", "engine-tests", "moe-bench", "structured", "kernel-bench",
              "e2e-throughput", "moe-sweep", "compile-grid"]
-    (logs / "steps.tsv").write_text("".join(f"{s}\tok\t3\t0\n" for s in steps))
+    (logs / "steps.tsv").write_text("".join(f"{s}\tok\t3\t0\n" for s in steps)
+                                    + "flex-bench\tskipped (budget)\t0\t0\n")
     res = ROOT / "benchmarks" / "results"
     shutil.copy(res / "structured-cpu.json", results / "structured-cuda.json")
     # bench_moe's rows as it writes them on CUDA (its CPU run times no fused kernel).
@@ -107,7 +184,8 @@ def test_summary_table_from_every_step(tmp_path):
         {"type": "Q4_K", "M": 256, "bw_frac": 0.1, "dense_over_gguf": 0.8},
         {"type": "Q8_0", "M": 256, "bw_frac": 0.1, "dense_over_gguf": 0.95}]}))
     # No .git here, as on the device: gpu_ci.sh exports the recorded commit label.
-    res = subprocess.run([sys.executable, "-c", _summary_program()], cwd=tmp_path,
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_ci_summary.py")],
+                         cwd=tmp_path,
                          capture_output=True, text=True, timeout=60,
                          env={"WORK": str(work), "GPU_CI_SECONDS": "42", "BUDGET": "560",
                               "GIT_COMMIT": "abc1234", "PATH": "/usr/bin:/bin"})
@@ -118,6 +196,7 @@ def test_summary_table_from_every_step(tmp_path):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
             if line.startswith("| ") and " | ok | " in line}
     assert sorted(rows) == sorted(steps)
+    assert "| flex-bench | skipped (budget) | 0 |" in md
     assert "decode 2.00x vs sdpa-flash" in rows["kernel-bench"]
     # From bench_moe's file, not the sweep's (which a "moe-*.json" glob also matches).
     assert ("qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
