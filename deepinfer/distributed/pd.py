@@ -25,6 +25,11 @@ one of D COMPLETION ranks, which decodes it to the end. World = P + D processes;
 5. the round's gathered ``has_work`` flags say when every rank is done: all ranks leave
    the loop in the same round.
 
+A job may feed a PROMPT rank lazily (``RoundFeed``, the CLI's bounded stream): it tops
+up the rank's requests at the start of each round, a rank with requests still unread has
+work, and each hand-off tells it that the request left (so it admits another) and
+carries what the job needs to write that request's line on the decode rank.
+
 Buffers are bounded: at most K sequences per PROMPT rank per round travel, and a
 COMPLETION rank only accepts what its credits cover (slots, and blocks for each
 sequence's worst-case length, so it never preempts: it could not recompute a prompt).
@@ -38,7 +43,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -140,6 +145,21 @@ def pd_engine(rank: int, num_prompt: int, prompt_args: EngineArgs,
 KV_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
+class RoundFeed(Protocol):
+    """A rank's requests fed lazily (``deepinfer.jobs.run_loop.RequestFeed``):
+    ``top_up()`` admits more into the engine, ``exhausted`` says none is left unread,
+    ``send_off(id)`` hears that a request left for a decode rank and returns what travels
+    with it (picklable), ``arrived(id, obj)`` receives that on the decode rank."""
+
+    exhausted: bool
+
+    def top_up(self) -> None: ...
+
+    def send_off(self, request_id: str) -> Any: ...
+
+    def arrived(self, request_id: str, record: Any) -> None: ...
+
+
 class PDRounds:
     """The round loop of one rank (see the module docstring): ``setup`` (every rank, a
     collective), then requests added to ``engine`` (PROMPT ranks), then ``drain``.
@@ -162,6 +182,7 @@ class PDRounds:
                                       # rounds with offers out and none taken (no credits)
                                       "credit_waits": 0}
         self.pending: deque = deque()  # handed-off sequences not yet sent (PROMPT)
+        self._feed: RoundFeed | None = None
         self._row = torch.zeros(5 + self.k, dtype=torch.int64, device=self.dev)
         self._rows = [torch.zeros_like(self._row) for _ in range(world)]
 
@@ -193,11 +214,15 @@ class PDRounds:
                                            self.sched.prefilled_blocks)
 
     # ------------------------------------------------------------------ loop
-    def drain(self) -> Iterator[RequestOutput]:
+    def drain(self, feed: RoundFeed | None = None) -> Iterator[RequestOutput]:
         """Run rounds until no rank has work; yield each request this rank finishes (a
         PROMPT rank: those that ended at their first token), as it finishes. Every rank
-        leaves in the same round."""
+        leaves in the same round. ``feed``: this rank's requests fed lazily (None: every
+        request was added before)."""
+        self._feed = feed
         while True:
+            if feed is not None and self.is_prompt:
+                feed.top_up()
             yield from self._local_step()
             rows = self._gather(self._status())
             self.stats["rounds"] += 1
@@ -230,7 +255,8 @@ class PDRounds:
     def _status(self) -> list[int]:
         row = [0] * (5 + self.k)
         if self.is_prompt:
-            row[HAS_WORK] = int(self.engine.has_unfinished() or bool(self.pending))
+            unread = self._feed is not None and not self._feed.exhausted
+            row[HAS_WORK] = int(self.engine.has_unfinished() or bool(self.pending) or unread)
             offers = list(self.pending)[: self.k]
             row[N_OFFERS] = len(offers)
             for i, seq in enumerate(offers):
@@ -265,7 +291,9 @@ class PDRounds:
     def _send(self, dst: int, seqs: list) -> None:
         eng = self.engine
         exports = [eng.export_sequence(q) for q in seqs]
-        dist.send_object_list([exports], dst=dst, device=self.dev)
+        feed = self._feed
+        carried = [feed.send_off(q.request_id) if feed is not None else None for q in seqs]
+        dist.send_object_list([(exports, carried)], dst=dst, device=self.dev)
         blocks = [b for q in seqs for b in q.blocks]
         dist.send(eng.runner.export_kv(blocks, [q.slot for q in seqs]), dst=dst)
 
@@ -273,8 +301,11 @@ class PDRounds:
         eng = self.engine
         box: list[Any] = [None]
         dist.recv_object_list(box, src=src, device=self.dev)
+        exports, carried = box[0]
         seqs = []
-        for exp in box[0]:
+        for exp, obj in zip(exports, carried):
+            if self._feed is not None:
+                self._feed.arrived(exp.request_id, obj)
             seq = eng.import_sequence(exp)
             if seq is None or len(seq.blocks) != exp.num_blocks:
                 # The plan only assigns what the published credits cover.

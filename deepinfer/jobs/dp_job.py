@@ -41,7 +41,7 @@ from deepinfer.jobs.input_records import iter_requests
 from deepinfer.jobs.parts import merge_rank_parts, part_path
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.resume import announce_resume, load_resume_state
-from deepinfer.jobs.run_loop import RunTarget, max_in_flight, run_requests
+from deepinfer.jobs.run_loop import RequestFeed, RunTarget, max_in_flight, run_requests
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
@@ -71,9 +71,9 @@ class ReplicaTarget(RunTarget):
         return total
 
     def results(self, finished: Callable[[], int], bar: RunProgress,
-                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
+                feed: RequestFeed) -> Iterator[RequestOutput]:
         if self.leaders is None:  # a lone replica only updates its bar
-            return super().results(finished, bar, top_up)
+            return super().results(finished, bar, feed)
         engine, st = self.engine, self.engine.stats
 
         def group_has_work() -> bool:
@@ -81,7 +81,7 @@ class ReplicaTarget(RunTarget):
             # on every rank) plus the group's progress for rank 0's bar. Empty steps
             # without work while another replica has some. This replica's share of the
             # input is topped up first: an engine with records left to read has work.
-            top_up()
+            feed.top_up()
             unfinished, g_done, g_prompt, g_gen = self.leaders_sum(
                 [int(engine.has_unfinished()), finished(), st.prompt_tokens,
                  st.generated_tokens])

@@ -246,6 +246,11 @@ class OpenAIFormat:
         """Keep ``rec`` until its result or error line is made."""
         self._records[rec.id] = rec
 
+    def release(self, record_id: str) -> InputRecord | None:
+        """Let go of a record whose line another process makes (a PD hand-off): it is
+        returned, for that process's ``track``."""
+        return self._records.pop(record_id, None)
+
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Read logprob tokens' text and bytes from ``tokenizer`` (the engine's)."""
         self._bytes = TokenBytes(tokenizer)

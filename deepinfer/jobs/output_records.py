@@ -98,6 +98,10 @@ class NativeFormat:
         """Nothing to keep: a native line needs only the result."""
 
     @staticmethod
+    def release(record_id: str) -> None:
+        """Nothing kept (``OpenAIFormat.release``)."""
+
+    @staticmethod
     def result(res) -> dict[str, Any]:
         return result_record(res)
 

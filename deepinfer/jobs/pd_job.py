@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -33,15 +34,15 @@ from deepinfer.distributed.ranks import (
     spawn_ranks,
 )
 from deepinfer.engine_args import EngineArgs
-from deepinfer.jobs.formats import job_format, warn_other_models
-from deepinfer.jobs.input_index import InputIndex
-from deepinfer.jobs.input_records import JobRequest, to_requests
+from deepinfer.jobs.formats import JobInput, job_format, warn_other_models
+from deepinfer.jobs.input_index import InputIndex, pending_stream
+from deepinfer.jobs.input_records import JobRequest, iter_requests
 from deepinfer.jobs.output_records import NATIVE, show_result
 from deepinfer.jobs.parts import input_order, merge_outputs, merge_rank_parts, part_path
 from deepinfer.jobs.progress import RunProgress
-from deepinfer.jobs.resume import load_resume_state, pending_records
+from deepinfer.jobs.resume import announce_resume, load_resume_state
 from deepinfer.jobs.resume_keys import openai_success
-from deepinfer.jobs.run_loop import RunTarget, run_requests, submit_requests
+from deepinfer.jobs.run_loop import RequestFeed, RunTarget, max_in_flight, run_requests
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
@@ -53,30 +54,37 @@ class PDRankTarget(RunTarget):
     def __init__(self, rounds: PDRounds) -> None:
         super().__init__(rounds.engine)
         self.rounds = rounds
+        self.feed: RequestFeed | None = None
 
     def results(self, finished: Callable[[], int], bar: RunProgress,
-                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
-        return self.rounds.drain()  # every request was admitted up front
+                feed: RequestFeed) -> Iterator[RequestOutput]:
+        self.feed = feed  # its peak in flight goes into the rank's counters
+        return self.rounds.drain(feed)
 
 
 def run_pd_rank(info: RankInfo, device: str, num_prompt: int, prompt_args: EngineArgs,
-                decode_args: EngineArgs, requests: list[JobRequest], output_path: str,
-                options: PDOptions, fmt: Any = NATIVE) -> dict[str, Any]:
+                decode_args: EngineArgs, requests: Iterable[JobRequest], output_path: str,
+                options: PDOptions, fmt: Any = NATIVE,
+                stream_args: argparse.Namespace | None = None) -> dict[str, Any]:
     """One rank's part of a disaggregated run, inside an initialised default group: build
     this rank's engine, run the rounds to the end, return its counters (the rounds', the
     ``RunSummary`` fields, and ``errors``: its error lines). ``requests``: this rank's own
-    (empty on a COMPLETION rank). Records go to this rank's part file of
-    ``output_path``."""
-    rounds = PDRounds(pd_engine(info.rank, num_prompt, prompt_args, decode_args, device),
-                      info.rank, info.world_size, num_prompt, device, options)
+    (empty on a COMPLETION rank), admitted all at once, or with ``stream_args`` (the
+    CLI's) read lazily and at most ``max_in_flight(stream_args, engine)`` held at a time:
+    waiting, prefilling or waiting for a hand-off. Records go to this rank's part file
+    of ``output_path``."""
+    engine = pd_engine(info.rank, num_prompt, prompt_args, decode_args, device)
+    rounds = PDRounds(engine, info.rank, info.world_size, num_prompt, device, options)
+    bound = max_in_flight(stream_args, engine) if stream_args is not None else None
     with open(part_path(output_path, info.rank), "a", encoding="utf-8") as out:
         rounds.setup()
         # No bar: the ranks' loops run in lock-step, and --show prints after the merge.
-        summary = run_requests(PDRankTarget(rounds), requests if rounds.is_prompt else [],
-                               out, fmt, progress=False)
-    counters = {k: v for k, v in dataclasses.asdict(summary).items()
-                if k not in ("num_ok", "failed")}
-    return {**rounds.stats, **counters, "errors": summary.failed}
+        target = PDRankTarget(rounds)
+        summary = run_requests(target, requests if rounds.is_prompt else [], out, fmt,
+                               progress=False, max_in_flight=bound)
+    counters = {k: v for k, v in dataclasses.asdict(summary).items() if k != "failed"}
+    return {**rounds.stats, **counters, "errors": summary.failed,
+            "peak_in_flight": target.feed.peak_in_flight if target.feed else 0}
 
 
 # ====================================================================== library
@@ -149,69 +157,74 @@ def pd_job_rank(info: RankInfo, args: argparse.Namespace, engine_args: EngineArg
 def _pd_job_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
                 default_params: SamplingParams, num_prompt: int, device: str) -> int:
     rank0 = info.rank == 0
+    inputs, fmt = job_format(args, engine_args.model)
+    # Rank 0 alone indexes the input and touches the output before the run (folds
+    # leftover parts, cuts a torn line), then tells the others what is done; each PROMPT
+    # rank then reads its round-robin share of the pending records lazily.
     payload: list[Any] = [None]
-    shown: dict[str, Any] = {}
+    index = None
     if rank0:
-        inputs, fmt = job_format(args, engine_args.model)
         index = InputIndex.of(inputs)
         if fmt is not NATIVE:
             warn_other_models(index.models, args.input, engine_args.model)
-        # Not streamed: rank 0 hands every pending request out before the rounds.
-        pending = pending_records(inputs, load_resume_state(args.output, index.order,
-                                                            fmt.final), args.output)
-        # Records that fail by themselves (bad line, sampling values, n > 1) are written
-        # at once; the others are shared out. Checks that need the tokenizer or the
-        # engines' sizes (an over-long prompt) are the PROMPT ranks' admission.
-        requests: list[JobRequest] = []
-        with open(args.output, "a", encoding="utf-8") as out:
-            shown, failed = submit_requests(
-                requests.append, to_requests(pending, default_params, args.chat,
-                                             check=check_pd_params, track=fmt.track,
-                                             template_kwargs=args.chat_template_kwargs),
-                out, fmt)
-        payload = [(requests, failed, index.order, fmt)]
+        done = load_resume_state(args.output, index.order, fmt.final)
+        payload = [(sorted(done), announce_resume(index, done, args.output))]
     dist.broadcast_object_list(payload, src=0)
-    requests, failed, order, fmt = payload[0]
-    stats: list[dict[str, Any]] = []
-    if requests:
-        mine = split_requests(requests, num_prompt, info.world_size)[info.rank]
-        own = run_pd_rank(info, device, num_prompt, engine_args, engine_args, mine,
-                          args.output, PDOptions(timeout_s=args.dp_timeout), fmt)
-        stats = [{} for _ in range(info.world_size)]
-        # Also the point after which every part file is complete and closed.
-        dist.all_gather_object(stats, own)
-        if rank0:
-            merge_rank_parts(args.output, order, info.world_size)
-    elif rank0 and failed:
-        # Only error lines were written, appended (an OpenAI rerun rewrites its error
-        # lines): the file goes back to input order, as after one engine or --dp.
-        merge_outputs(args.output, order, [])
-    failed += sum(s["errors"] for s in stats)
-    if rank0 and (requests or failed):
-        _report(args, requests, failed, stats, shown)
+    done_ids, pending = payload[0]
+    if not pending:
+        return 0
+    done = set(done_ids)
+    requests: Iterable[JobRequest] = ()
+    if info.rank < num_prompt:
+        # Records that fail by themselves (bad line, sampling values, n > 1) become
+        # error lines of the rank that reads them; an over-long prompt is refused by its
+        # engine's admission, fitted to the decode side.
+        mine = itertools.islice(pending_stream(inputs, done), info.rank, None, num_prompt)
+        requests = iter_requests(mine, default_params, args.chat, check=check_pd_params,
+                                 track=fmt.track, template_kwargs=args.chat_template_kwargs)
+    own = run_pd_rank(info, device, num_prompt, engine_args, engine_args, requests,
+                      args.output, PDOptions(timeout_s=args.dp_timeout), fmt,
+                      stream_args=args)
+    stats: list[dict[str, Any]] = [{} for _ in range(info.world_size)]
+    # Also the point after which every part file is complete and closed.
+    dist.all_gather_object(stats, own)
+    if rank0:
+        merge_rank_parts(args.output, index.order, info.world_size)
+        _report(args, stats, lambda: _shown_prompts(inputs, done, default_params, args))
     # Nobody exits before the merge is over: torchrun stops all ranks when one exits.
     dist.barrier()
-    return 1 if failed else 0
+    return 1 if sum(s["errors"] for s in stats) else 0
 
 
-def _report(args: argparse.Namespace, requests: list[JobRequest], failed: int,
-           stats: list[dict[str, Any]], shown: dict[str, Any]) -> None:
+def _shown_prompts(inputs: JobInput, done: set[str], default_params: SamplingParams,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    """The shown prompt of each record this run ran, read again from the input (for
+    ``--show`` after the merge)."""
+    return {r.request_id: r.shown for r in iter_requests(
+        pending_stream(inputs, done), default_params, args.chat,
+        template_kwargs=args.chat_template_kwargs) if r.error is None}
+
+
+def _report(args: argparse.Namespace, stats: list[dict[str, Any]],
+            shown: Callable[[], dict[str, Any]]) -> None:
     """The summary of a PD run (summed over the ranks; time: the slowest rank's rounds,
-    model loading excluded as in a one-engine run) and ``--show`` (``shown``: the prompt
-    of each request by id)."""
-    errors = sum(s["errors"] for s in stats)
-    if args.show and requests:
-        _show_merged(args.output, {r.request_id: shown[r.request_id] for r in requests})
+    model loading excluded as in a one-engine run) and ``--show`` (``shown()``: the
+    prompt of each request by id)."""
     total = RunSummary.sum_over([RunSummary.from_dict(s) for s in stats])
-    total.num_ok, total.failed = len(requests) - errors, failed
+    # A PROMPT rank counts each request it admitted as ok; the rank that writes a line it
+    # could not counts it back: the sum is right.
+    total.num_ok = sum(s["num_ok"] for s in stats)
+    total.failed = sum(s["errors"] for s in stats)
+    if args.show and total.num_ok + total.failed:
+        _show_merged(args.output, shown())
     print(total.format(), file=sys.stderr)
-    if stats:
-        print(f"pd: {sum(s['role'] == 'prompt' for s in stats)} prompt + "
-              f"{sum(s['role'] == 'completion' for s in stats)} completion ranks, "
-              f"{sum(s['handed_off'] for s in stats)} sequences handed off in "
-              f"{max(s['rounds'] for s in stats)} rounds, "
-              f"{sum(s['credit_waits'] for s in stats)} rounds waiting for decode credits",
-              file=sys.stderr)
+    print(f"pd: {sum(s['role'] == 'prompt' for s in stats)} prompt + "
+          f"{sum(s['role'] == 'completion' for s in stats)} completion ranks, "
+          f"{sum(s['handed_off'] for s in stats)} sequences handed off in "
+          f"{max(s['rounds'] for s in stats)} rounds, "
+          f"{sum(s['credit_waits'] for s in stats)} rounds waiting for decode credits, "
+          f"at most {max(s['peak_in_flight'] for s in stats)} requests held by a prompt "
+          "rank", file=sys.stderr)
 
 
 def _show_merged(output: str, prompts: dict[str, Any]) -> None:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from deepinfer.jobs.input_index import InputIndex, pending_stream
-from deepinfer.jobs.input_records import InputRecord
+from deepinfer.jobs.input_index import InputIndex
 from deepinfer.jobs.parts import fold_part_files
 from deepinfer.jobs.resume_keys import strict_json, valid_lines
 
@@ -145,16 +144,4 @@ def announce_resume(index: InputIndex, done: set[str], output: str) -> int:
     if pending < index.records:
         print(f"resuming: {index.records - pending} of {index.records} records already in "
               f"{output}", file=sys.stderr)
-    return pending
-
-
-def pending_records(inputs: Iterable[InputRecord], done: set[str], output: str,
-                    announce: bool = True) -> list[InputRecord]:
-    """The records still to run, as a list (``pending_stream``); ``announce`` prints the
-    resume line (one process of a run)."""
-    records = list(inputs)
-    pending = list(pending_stream(records, done))
-    if announce and done:
-        print(f"resuming: {len(records) - len(pending)} of {len(records)} records already "
-              f"in {output}", file=sys.stderr)
     return pending

@@ -44,14 +44,14 @@ class RunTarget:
         return queued
 
     def results(self, finished: Callable[[], int], bar: RunProgress,
-                top_up: Callable[[], None]) -> Iterator[RequestOutput]:
+                feed: RequestFeed) -> Iterator[RequestOutput]:
         """The finished requests, as they finish. ``finished()``: how many records the
-        loop took so far (for ``bar``); ``top_up()``: admit more requests, called
+        loop took so far (for ``bar``); ``feed.top_up()`` admits more requests, called
         between steps (a streamed job keeps the engine's batch full)."""
         st = self.engine.stats
 
         def on_step() -> None:
-            top_up()
+            feed.top_up()
             bar.update(finished(), st.prompt_tokens, st.generated_tokens)
 
         return self.engine.drain(on_step=on_step)
@@ -117,6 +117,18 @@ class RequestFeed:
         self.in_flight -= 1
         return self.prompts.pop(request_id, None)
 
+    def send_off(self, request_id: str) -> Any:
+        """An admitted request leaves this process unfinished (a PD PROMPT rank hands it
+        to a decode rank, which writes its line): no longer in flight here. Returns what
+        its line needs from this process, for the receiver's ``arrived``."""
+        self.finished(request_id)
+        return self._fmt.release(request_id)
+
+    def arrived(self, request_id: str, record: Any) -> None:
+        """A request handed to this process by another (``send_off`` there)."""
+        if record is not None:
+            self._fmt.track(record)
+
 
 def submit_requests(admit: Callable[[JobRequest], None], requests: Iterable[JobRequest],
                     out: TextIO, fmt: Any = NATIVE) -> tuple[dict[str, Any], int]:
@@ -147,7 +159,7 @@ def run_requests(target: RunTarget, requests: Iterable[JobRequest], out: TextIO,
     bar = RunProgress(target.total(total or 0), target.bar_title, disable=not progress)
     results = [0]  # read by the target as the loop goes (progress, DP's vote)
     unwritable = 0
-    for res in target.results(lambda: results[0] + feed.failed, bar, feed.top_up):
+    for res in target.results(lambda: results[0] + feed.failed, bar, feed):
         shown = feed.finished(res.request_id)
         if res.error is not None:  # failed while running: fails alone, as a bad line
             write_record(out, fmt.error(res.request_id, res.error))

@@ -5,6 +5,7 @@ from a killed run's output and leftover part files, bad flag combinations."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -68,6 +69,25 @@ def test_pd_matches_one_engine_with_error_records(tmp_path, model_args, capfd):
     assert list_part_files(str(pd)) == []
 
 
+def test_pd_streams_its_input_within_the_bound(tmp_path, model_args, capfd):
+    """``--pd 1:1 --max-in-flight 3``: the PROMPT rank reads its records lazily and never
+    holds more than 3 (waiting, prefilling or waiting for a hand-off); each hand-off lets
+    another in. The records equal a one-engine run's."""
+    inp = tmp_path / "in.txt"
+    inp.write_text("".join(f"record {i} of a stream\n" for i in range(14)))
+    one, pd = tmp_path / "one.jsonl", tmp_path / "pd.jsonl"
+    assert main(["--input", str(inp), "--output", str(one), *model_args]) == 0
+    capfd.readouterr()
+    assert main(["--input", str(inp), "--output", str(pd), "--pd", "1:1",
+                 "--max-in-flight", "3", *model_args]) == 0
+    err = capfd.readouterr().err
+    assert "done: 14 requests ok, 0 failed" in err, err
+    assert "14 sequences handed off" in err, err
+    held = int(re.search(r"at most (\d+) requests held by a prompt rank", err)[1])
+    assert 1 <= held <= 3, err
+    assert _by_id(pd) == _by_id(one)
+
+
 def test_pd_resumes_partial_output_and_parts(tmp_path, model_args):
     prompts = [LONG, "hello world", "once upon a time", "paged attention", "a b c d e",
                "lazy dog"]
@@ -97,7 +117,8 @@ def test_pd_resumes_partial_output_and_parts(tmp_path, model_args):
 
 def test_pd_torchrun_style_launch(tmp_path, model_args):
     """Two processes started with the torchrun variables (no spawning): rank 0 resumes
-    the output and writes the early error records, both join the PD rounds."""
+    the output, the PROMPT rank writes the error records of the lines it reads, both
+    join the PD rounds."""
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in [
         {"id": "a", "prompt": LONG}, {"id": "b", "prompt": "hello world"},

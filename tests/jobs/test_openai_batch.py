@@ -154,11 +154,14 @@ def test_dp2_writes_the_same_lines(tmp_path, model_args):
 
 def test_pd_writes_openai_lines(tmp_path, model_args):
     """``--pd 1:1``: the PD ranks write the same line format (n > 1 is a per-line error
-    there: disaggregated prefill hands off single sequences)."""
+    there: disaggregated prefill hands off single sequences). Streamed one request at a
+    time: each handed-off line's record travels with its sequence to the decode rank,
+    which writes it."""
     inp = tmp_path / "batch.jsonl"
     inp.write_text("\n".join(_batch_lines()) + "\n")
     out = tmp_path / "out.jsonl"
-    assert main(["--input", str(inp), "--output", str(out), "--pd", "1:1", *model_args]) == 1
+    assert main(["--input", str(inp), "--output", str(out), "--pd", "1:1",
+                 "--max-in-flight", "1", *model_args]) == 1
     recs = _read(out)
     assert [r["custom_id"] for r in recs] == ["c1", "p1", "bad-url", None, "c1", "c2",
                                              "streamed", "tools"]
