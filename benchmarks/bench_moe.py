@@ -1,5 +1,6 @@
 """Mixture-of-experts layer benchmark: ``deepinfer_kernels.fused_moe`` against a per-expert loop of
-torch matmuls on the same routing.
+torch matmuls on the same routing; on CUDA also ``fused_moe_gguf`` with the experts kept
+as Q4_0 blocks (weight-read bandwidth on the quantized bytes).
 
 CUDA (bf16): ``triton.testing.do_bench`` at Qwen3-30B-A3B's shapes (E=128, top-8,
 H=2048, I=768) and Mixtral's (E=8, top-2, H=4096, I=14336) for M = 1..256 (decode) and
@@ -108,6 +109,25 @@ def layer_inputs(model: str, num_tokens: int, g: torch.Generator
     return x, w13, w2, weights, ids
 
 
+Q4_0 = 2  # ggml type id: 32 weights a block, an fp16 scale and 16 bytes of 4-bit codes
+
+
+def q4_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[E, N, K]`` (K a multiple of 32) as Q4_0 blocks, uint8 ``[E, N, K / 32 *
+    18]``: per 32 weights ``d = absmax / -8`` (the sign that maps the largest magnitude
+    to code 0, as ggml does) as fp16, then codes ``round(w / d) + 8`` clamped to 0..15,
+    weight i in the low nibble of byte i and weight 16 + i in its high nibble."""
+    e, n, k = w.shape
+    g = w.float().reshape(e, n, k // 32, 32)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    d = (g.gather(-1, idx) / -8).squeeze(-1)  # the signed value of largest magnitude / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = (g * inv[..., None] + 8.5).floor().clamp(0, 15).to(torch.uint8)
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    scale = d.to(torch.float16).view(torch.uint8).reshape(e, n, k // 32, 2)
+    return torch.cat([scale, codes], dim=-1).reshape(e, n, -1).contiguous()
+
+
 def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> list[dict]:
     """Time one (model shape, M) on the same routing; returns result rows."""
     experts, top_k, hidden, inter = SHAPES[model]
@@ -138,12 +158,31 @@ def bench_case(model: str, num_tokens: int, copy_gbs: float, seed: int = 0) -> l
         fused = lambda: deepinfer_kernels.fused_moe(x, w13, w2, weights, ids, out=out)  # noqa: E731
         err = ((fused().float() - loop().float()).norm() / loop().float().norm()).item()
         row("triton-fused", time_ms(fused), decode)["rel_err_vs_loop"] = round(err, 5)
+        # The experts as Q4_0 blocks (weights stay quantized: 18 bytes a 32 weights),
+        # against fused_moe on the same weights dequantized; bandwidth on those bytes.
+        b13, b2 = q4_0_blocks(w13), q4_0_blocks(w2)
+        dq13 = reference.dequantize_gguf(b13.reshape(-1, b13.shape[2]), Q4_0)
+        dq2 = reference.dequantize_gguf(b2.reshape(-1, b2.shape[2]), Q4_0)
+        dense = deepinfer_kernels.fused_moe(x, dq13.view(w13.shape).to(DTYPE),
+                                            dq2.view(w2.shape).to(DTYPE), weights, ids)
+        gguf = lambda: deepinfer_kernels.fused_moe_gguf(  # noqa: E731
+            x, b13, b2, Q4_0, Q4_0, weights, ids, out=out)
+        err = ((gguf().float() - dense.float()).norm() / dense.float().norm()).item()
+        r = row("triton-fused-gguf-q4_0", time_ms(gguf), False)
+        gbs = weight_gb * 18 / 32 / x.element_size() / (r["ms"] * 1e-3)
+        r.update({"rel_err_vs_dequantized": round(err, 5)}
+                 | ({"weight GB/s": round(gbs, 1), "bw_frac": round(gbs / copy_gbs, 3)}
+                    if decode else {}))
     else:
         ref = lambda: reference.fused_moe(x, w13, w2, weights, ids)  # noqa: E731
         row("torch-reference", time_ms(ref), decode)
         if num_tokens == TOKENS[0]:  # the interpreter, once, untimed: a smoke check
             got = deepinfer_kernels.fused_moe(x, w13, w2, weights, ids)
             torch.testing.assert_close(got, ref(), atol=1e-4, rtol=1e-4)
+            b13, b2 = q4_0_blocks(w13), q4_0_blocks(w2)
+            got = deepinfer_kernels.fused_moe_gguf(x, b13, b2, Q4_0, Q4_0, weights, ids)
+            want = reference.fused_moe_gguf(x, b13, b2, Q4_0, Q4_0, weights, ids)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     row("torch-per-expert-loop", time_ms(loop), decode)
     base = rows[0]["ms"]
     for r in rows[1:]:

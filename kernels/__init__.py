@@ -1,6 +1,6 @@
 """Triton kernels of deepinfer (paged attention, KV store, cache/state copies,
-mixture-of-experts routing, alignment and grouped GEMM, matmuls on GGUF-quantized
-weights).
+mixture-of-experts routing, alignment and grouped GEMM, matmuls and experts on
+GGUF-quantized weights).
 
 The folder kernels/ installs under the import name ``deepinfer_kernels``.
 ``deepinfer_kernels.reference`` holds plain-torch versions with the same signatures.
@@ -45,6 +45,7 @@ else:
         clone_states,
         fused_moe,
         fused_moe_gemm,
+        fused_moe_gguf,
         gguf_matmul,
         moe_align,
         moe_route,
@@ -69,6 +70,7 @@ else:
         "moe_align",
         "fused_moe_gemm",
         "fused_moe",
+        "fused_moe_gguf",
         "rms_norm",
         "add_rms_norm",
         "rotary_qk",

@@ -38,8 +38,11 @@ negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_sta
 ``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
 an ``index_copy_`` rewrite of ``clone_blocks`` saved at most ~0.1-1.5 ms per call (1-8
 pairs on a 30-layer cache), not worth a second implementation. The mixture-of-experts ops
-(``moe_route``, ``fused_moe``) are the reference's too: it already groups the tokens by
-expert (one matmul pair per expert that got a token, no per-token loop).
+(``moe_route``, ``fused_moe``, ``fused_moe_gguf``) are the reference's too: it already
+groups the tokens by expert (one matmul pair per expert that got a token, no per-token
+loop). A model whose experts are GGUF blocks on the CPU does not call ``fused_moe_gguf``
+(it would dequantize every expert each call): it binds each expert's C matmuls once
+(``deepinfer.models.quantized_experts``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from deepinfer_kernels.reference import (
     clone_blocks,
     clone_states,
     fused_moe,
+    fused_moe_gguf,
     moe_route,
     sample_tokens,
     zero_states,
@@ -70,6 +74,7 @@ __all__ = [
     "clone_states",
     "moe_route",
     "fused_moe",
+    "fused_moe_gguf",
     "rms_norm",
     "add_rms_norm",
     "rotary_qk",

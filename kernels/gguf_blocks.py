@@ -81,14 +81,15 @@ BLOCK_FORMATS: dict[int, BlockFormat] = {
 }
 
 
-def block_format(qtype: object) -> BlockFormat:
+def block_format(qtype: object, name: str = "qtype") -> BlockFormat:
     """The format of ggml type id ``qtype`` (an int, e.g. a ``GGMLQuantizationType``);
-    ``ValueError`` naming ``qtype`` for anything else or a type not in the table."""
+    ``ValueError`` naming ``name`` (the caller's argument) for anything else or a type
+    not in the table."""
     fmt = None
     if isinstance(qtype, int) and not isinstance(qtype, bool):
         fmt = BLOCK_FORMATS.get(int(qtype))
     if fmt is None:
         known = ", ".join(f"{f.name}={f.type_id}" for f in BLOCK_FORMATS.values())
-        _refuse("qtype", f"a GGUF block type id ({known})", repr(qtype))
+        _refuse(name, f"a GGUF block type id ({known})", repr(qtype))
     assert fmt is not None
     return fmt

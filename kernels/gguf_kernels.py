@@ -35,12 +35,16 @@ def kernel_types(device: torch.device | str) -> frozenset[int]:
 def expert_kernel_types(device: torch.device | str) -> frozenset[int]:
     """ggml type ids whose mixture-of-experts weights can stay quantized on ``device``.
 
-    The CPU: every type with a kernel. A model multiplies such experts one at a time
-    through :func:`bind_gguf_matmul` (grouped by expert, as the reference ``fused_moe``),
-    which needs the tokens-per-expert counts on the host. On CUDA that is a sync per
-    layer inside a decode step and cannot be captured in a CUDA graph, and the Triton
-    fused MoE GEMM does not read blocks yet: none there (the experts are dequantized)."""
-    return kernel_types(device) if torch.device(device).type == "cpu" else frozenset()
+    The CPU: every type with a kernel; a model multiplies such experts one at a time
+    through :func:`bind_gguf_matmul` (grouped by expert, as the reference ``fused_moe``).
+    CUDA: every type, through the Triton ``fused_moe_gguf`` (no host sync: the per-expert
+    counts a grouping on the host needs would sync each layer inside a decode graph)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return kernel_types(device)
+    if kind == "cuda" and _triton_matmul() is not None:
+        return frozenset(BLOCK_FORMATS)
+    return frozenset()
 
 
 def _triton_matmul() -> Callable | None:

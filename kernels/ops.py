@@ -29,6 +29,7 @@ if _IMPORT_ERROR is None:
     from deepinfer_kernels.cache_ops import clone_blocks, clone_states, zero_states
     from deepinfer_kernels.decode_attention import paged_decode_attention
     from deepinfer_kernels.fused_moe import fused_moe, fused_moe_gemm
+    from deepinfer_kernels.fused_moe_gguf import fused_moe_gguf
     from deepinfer_kernels.gguf_matmul import gguf_matmul
     from deepinfer_kernels.moe_align import moe_align
     from deepinfer_kernels.moe_routing import moe_route
@@ -59,6 +60,7 @@ else:  # pragma: no cover
     moe_align = _missing("moe_align")
     fused_moe_gemm = _missing("fused_moe_gemm")
     fused_moe = _missing("fused_moe")
+    fused_moe_gguf = _missing("fused_moe_gguf")
     rms_norm = _missing("rms_norm")
     add_rms_norm = _missing("add_rms_norm")
     rotary_qk = _missing("rotary_qk")

@@ -399,3 +399,24 @@ def fused_moe(
         out = torch.empty_like(x)
     out.copy_(acc)
     return out
+
+
+def fused_moe_gguf(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    qtype13: int,
+    qtype2: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` with the experts held as GGUF blocks (w13 uint8 ``[E, 2I,
+    row_bytes(H)]`` of type ``qtype13``, w2 uint8 ``[E, H, row_bytes(I)]`` of type
+    ``qtype2``): dequantized to fp32 (``dequantize_gguf``), then ``fused_moe`` in fp32
+    math. Returns ``[T, H]`` in x's dtype."""
+    w13_f = dequantize_gguf(w13.reshape(-1, w13.shape[-1]), qtype13).view(
+        w13.shape[0], w13.shape[1], -1)
+    w2_f = dequantize_gguf(w2.reshape(-1, w2.shape[-1]), qtype2).view(
+        w2.shape[0], w2.shape[1], -1)
+    return fused_moe(x, w13_f, w2_f, topk_weights, topk_ids, out)

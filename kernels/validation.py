@@ -251,6 +251,34 @@ def check_fused_moe_args(x: object, w13: object, w2: object, topk_weights: objec
     experts, inter = w1.shape[0], w1.shape[1] // 2
     w2t = _check_moe_weights("w2", w2, xt.dtype, device)
     check_shape("w2", w2t, (experts, hidden, inter))
+    _check_routing(xt, topk_weights, topk_ids, out, device)
+
+
+def check_fused_moe_gguf_args(x: object, w13: object, w2: object, qtype13: object,
+                              qtype2: object, topk_weights: object, topk_ids: object,
+                              out: object) -> tuple[BlockFormat, BlockFormat]:
+    """The arguments of ``fused_moe_gguf`` (see its docstring for the shapes); returns
+    the two block formats. A weight whose rows are not whole blocks of the width x and
+    w13 give is an error naming it."""
+    xt = check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_runnable_device("x", xt)
+    hidden = xt.shape[1]
+    fmt13, fmt2 = block_format(qtype13, "qtype13"), block_format(qtype2, "qtype2")
+    w1 = _check_moe_weights("w13", w13, torch.uint8, device)
+    if w1.shape[1] % 2 or fmt13.row_weights(w1.shape[2], name="w13") != hidden:
+        fail("w13", f"uint8 [E, 2 * I, {fmt13.row_bytes(hidden, name='x')}] ({fmt13.name} "
+             f"rows of H = {hidden} weights)", f"shape {tuple(w1.shape)}")
+    experts, inter = w1.shape[0], w1.shape[1] // 2
+    w2t = _check_moe_weights("w2", w2, torch.uint8, device)
+    check_shape("w2", w2t, (experts, hidden, fmt2.row_bytes(inter, name="w13 (I)")))
+    _check_routing(xt, topk_weights, topk_ids, out, device)
+    return fmt13, fmt2
+
+
+def _check_routing(xt: torch.Tensor, topk_weights: object, topk_ids: object, out: object,
+                   device: torch.device) -> None:
+    """topk_ids ``[T, k]`` int32, topk_weights the same shape fp32, out ``[T, H]`` x's
+    dtype: a MoE layer's routing and output beside x ``[T, H]``."""
     ids = check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32,), device=device)
     if ids.shape[0] != xt.shape[0] or ids.shape[1] == 0:
         fail("topk_ids", f"[{xt.shape[0]}, top_k >= 1] (one row per token of x)",

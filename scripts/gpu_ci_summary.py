@@ -67,10 +67,13 @@ def moe_headline():
                  if r["tokens"] == 256 and r["impl"] == "torch-per-expert-loop"]
         bw = [r["bw_frac"] for r in mine
               if r["impl"] == "triton-fused" and r["tokens"] <= 16 and "bw_frac" in r]
+        q4 = [r["bw_frac"] for r in mine
+              if r["impl"] == "triton-fused-gguf-q4_0" and r["tokens"] <= 16 and "bw_frac" in r]
         if at256 and at256[0]:
             parts.append(f"{model} {at256[0]:.1f}x vs loop at M=256"
                          + (f", weight-read bw {min(bw):.0%}-{max(bw):.0%} of copy at M<=16"
-                            if bw else ""))
+                            if bw else "")
+                         + (f", Q4_0 experts {min(q4):.0%}-{max(q4):.0%}" if q4 else ""))
     return ", ".join(parts)
 
 

@@ -159,6 +159,8 @@ def test_summary_table_from_every_step(tmp_path):
     (results / "moe-nvidia-h200.json").write_text(json.dumps({"meta": {}, "results": [
         {"model": q, "tokens": 16, "impl": "triton-fused", "ms": 0.1, "bw_frac": 0.7},
         {"model": q, "tokens": 8, "impl": "triton-fused", "ms": 0.1, "bw_frac": 0.8},
+        {"model": q, "tokens": 8, "impl": "triton-fused-gguf-q4_0", "ms": 0.1,
+         "bw_frac": 0.55},
         {"model": q, "tokens": 256, "impl": "triton-fused", "ms": 0.2},
         {"model": q, "tokens": 256, "impl": "torch-per-expert-loop", "ms": 0.8,
          "speedup_of_triton-fused": 4.0}]}))
@@ -200,7 +202,7 @@ def test_summary_table_from_every_step(tmp_path):
     assert "decode 2.00x vs sdpa-flash" in rows["kernel-bench"]
     # From bench_moe's file, not the sweep's (which a "moe-*.json" glob also matches).
     assert ("qwen3-30b-a3b 4.0x vs loop at M=256, weight-read bw 70%-80% of copy at "
-            "M<=16") in rows["moe-bench"]
+            "M<=16, Q4_0 experts 55%-55%") in rows["moe-bench"]
     assert ("layer elementwise chain fused vs torch: 6.0x at 256 tokens (25% of copy bw)"
             in rows["kernel-bench"])
     assert "temperature sampling fused vs torch: 5.0x at 256x151936" in rows["kernel-bench"]

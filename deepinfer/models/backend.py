@@ -92,6 +92,15 @@ class ModelBackend(Protocol):
         and w2 ``[E, H, I]``, weighted by the routing; returns ``[T, H]``."""
         ...
 
+    def fused_moe_gguf(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       qtype13: int, qtype2: int, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """``fused_moe`` with the experts held as GGUF blocks: w13 uint8 ``[E, 2I,
+        row_bytes(H)]`` of ggml type ``qtype13``, w2 uint8 ``[E, H, row_bytes(I)]`` of
+        type ``qtype2``; returns ``[T, H]``."""
+        ...
+
     def bind_decoder_stack(self, spec: DecoderStackSpec) -> DecoderStackFn | None:
         """A decode step's whole stack of layers as one fused call, bound once to the
         model's weights (``deepinfer_kernels.decoder_spec``); None where this backend has

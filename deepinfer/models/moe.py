@@ -102,9 +102,13 @@ class SparseMoeBlock(nn.Module):
         return set(w13) | set(w2)
 
     def bind_expert_kernels(self) -> None:
-        """Bind each expert's GGUF products to its blocks (after loading; again after
-        the weights move)."""
+        """On the CPU, bind each expert's GGUF products to its blocks (after loading;
+        again after the weights move). Elsewhere the backend's ``fused_moe_gguf`` reads
+        the stacks whole (no host sync: CUDA graphs capture it)."""
         q13, q2 = self.experts_qtypes
+        if self.w13.device.type != "cpu":
+            self.expert_matmuls = []
+            return
         self.expert_matmuls = [
             (gguf_kernels.bind_gguf_matmul(self.w13[e], q13),
              gguf_kernels.bind_gguf_matmul(self.w2[e], q2)) for e in range(self.num_experts)]
@@ -114,9 +118,12 @@ class SparseMoeBlock(nn.Module):
         weights, ids = backend.moe_route(self.gate(x), self.top_k, self.renormalize)
         if self.experts_qtypes is None:
             out = backend.fused_moe(x, self.w13, self.w2, weights, ids)
-        else:
+        elif self.expert_matmuls:
             out = experts_from_blocks(x, self.expert_matmuls, weights, ids,
                                       backend.silu_and_mul)
+        else:
+            out = backend.fused_moe_gguf(x, self.w13, self.w2, *self.experts_qtypes,
+                                         weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, backend)
         return self.tp.all_reduce(out)

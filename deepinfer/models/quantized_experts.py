@@ -6,8 +6,8 @@ Why not the backend's ``fused_moe``: that op takes float stacks (``w13 [E, 2I, H
 itself, and keeping float copies would undo the point (a 30B MoE's experts are ~95% of
 its weights). Grouping follows the reference ``fused_moe``: one pair of products per
 expert that got a token, no per-token loop, contributions summed in fp32 in routing
-order. It needs the per-expert counts on the host, so it runs where
-``gguf_kernels.expert_kernel_types`` lists types (the CPU).
+order. It needs the per-expert counts on the host, so it runs on the CPU only; on CUDA
+the backend's ``fused_moe_gguf`` reads the stacks whole, without a sync.
 """
 
 from __future__ import annotations

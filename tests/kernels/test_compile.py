@@ -120,7 +120,7 @@ def test_planning_matches_the_case() -> None:
     """The planner yields the launches a case names (in-process, meta tensors: no compile):
     split + merge for decode_split, one per state tensor (two) for the state ops."""
     expected = {"decode_split": 2, "zero_states": 2, "clone_states": 2, "moe_gemm": 2,
-                "moe_align": 3}
+                "moe_align": 3, "moe_gguf": 2}
     for case in QUICK:
         launches = cc_cases.plan(case)
         assert len(launches) == expected.get(case.op, 1), case.id
@@ -143,6 +143,31 @@ def test_moe_cases_cover_every_block_m() -> None:
     decode_n = {launch.kwargs["BLOCK_N"] for c in QUICK if c.op == "moe_gemm"
                 for launch in cc_cases.plan(c) if launch.kwargs["BLOCK_M"] == 16}
     assert decode_n == {32, 64}
+
+
+def test_moe_gguf_cases_cover_every_type_and_block_m() -> None:
+    """GGUF experts: the full grid plans both grouped GEMMs for every block type at the
+    decode and prefill tiles, and one type through every BLOCK_M bucket and dtype, for
+    both model shapes on each target; the quick subset compiles a decode and a prefill
+    tile on each target; 16-bit ones must use the tensor cores."""
+    full = [c for c in cc_cases.full_cases() if c.op == "moe_gguf"]
+    seen = {(c.arch, c.dtype, c.variant.split("-")[1], cc_cases.plan(c)[0].kwargs["BLOCK_M"])
+            for c in full}
+    assert {t for _, _, t, _ in seen} == {t.lower() for t in cc_cases.GGUF_TYPES}
+    assert {(a, t, bm) for a, dt, t, bm in seen if dt == "bf16"} >= {
+        (a, t.lower(), bm) for a in cc_cases.ARCHS for t in cc_cases.GGUF_TYPES
+        for bm in (16, 128)}
+    assert {(a, dt, bm) for a, dt, t, bm in seen if t == "q4_k"} == {
+        (a, dt, bm) for a in cc_cases.ARCHS for dt in cc_cases.DTYPES
+        for bm in (16, 32, 64, 128)}
+    for case in full:
+        gate_up, down = cc_cases.plan(case)
+        assert gate_up.kwargs["GATED"] and not down.kwargs["GATED"]
+        assert case.wants_tensor_cores == (case.dtype != "fp32")
+    for arch in cc_cases.ARCHS:
+        quick = {cc_cases.plan(c)[0].kwargs["BLOCK_M"] for c in QUICK
+                 if c.op == "moe_gguf" and c.arch == arch}
+        assert quick == {16, 128}
 
 
 def test_gguf_cases_cover_every_tile() -> None:

@@ -76,7 +76,7 @@ def test_kernel_backend_extends_the_model_backend() -> None:
     assert set(model_ops) < set(kernel_ops)
     assert {"store_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
             "add_rms_norm", "rotary_qk", "silu_and_mul", "moe_route",
-            "fused_moe", "bind_decoder_stack"} == set(model_ops)
+            "fused_moe", "fused_moe_gguf", "bind_decoder_stack"} == set(model_ops)
     assert set(kernel_ops) - set(model_ops) == {"clone_blocks", "zero_states",
                                                 "clone_states", "sample_tokens"}
 

@@ -128,6 +128,36 @@ def test_quantized_experts_stay_blocks(name, arch, per_expert, qtype, moe_checkp
         assert (got - want).abs().max() <= tol * want.abs().max(), dtype
 
 
+@pytest.mark.parametrize("backend_name", ["triton", "reference"])
+def test_quantized_experts_through_fused_moe_gguf(backend_name, moe_checkpoints, tmp_path):
+    """What a CUDA model runs: the expert stacks read whole by the backend's
+    ``fused_moe_gguf`` (no per-expert binding, no host sync), here the Triton kernels
+    through the interpreter and the reference, with the bindings the CPU keeps dropped.
+    Logits of the dequantized model (fp32: 1e-4 of the largest logit); Q8_0 experts (the
+    tiny model's widths are not whole K-quant blocks; tests/kernels/test_moe_gguf.py
+    covers every type)."""
+    import deepinfer_kernels
+    from deepinfer.loading.loader import load_model
+    from deepinfer.models.moe import SparseMoeBlock
+    from deepinfer_kernels import reference
+
+    backend = deepinfer_kernels if backend_name == "triton" else reference
+    path = str(tmp_path / "qwen3_moe.gguf")
+    write_tiny_gguf(moe_checkpoints["qwen3_moe"].hf_model, "qwen3moe", path,
+                     expert_type="Q8_0")
+    auto, cfg = load_model(path, dtype="float32", quantization="auto")
+    none, _ = load_model(path, dtype="float32", quantization="none")
+    blocks = [m for m in auto.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.experts_qtypes and b.expert_matmuls for b in blocks)
+    for b in blocks:
+        b.expert_matmuls = []  # as bind_expert_kernels leaves them off the CPU
+    tokens = torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = PagedSim(cfg).step(auto, {0: tokens, 1: tokens[:4]}, is_prompt=True,
+                             backend=backend).float()
+    want = PagedSim(cfg).step(none, {0: tokens, 1: tokens[:4]}, is_prompt=True).float()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_experts_without_expert_kernels_are_planned_dequantized(moe_checkpoints, tmp_path):
     """Where the device has GGUF kernels but none for experts (CUDA: see
     ``gguf_kernels.expert_kernel_types``), the experts are left out of the plan and

@@ -50,8 +50,9 @@ class Case:
     ``batch``: a decode batch), ``clone_blocks``, ``zero_states``, ``clone_states``;
     mixture of experts (variant ``<model>-m<tokens>``, model a key of ``MOE_SHAPES``):
     ``moe_gemm`` (the layer's two grouped GEMMs: gate+up with SiLU-and-mul, down),
-    ``moe_align`` (its three alignment kernels), ``moe_route``. head_dim, gqa and
-    block_size do not apply to them (and are left out of their ids).
+    ``moe_align`` (its three alignment kernels), ``moe_route``; ``moe_gguf`` (the two
+    grouped GEMMs with the experts as GGUF blocks, variant ``<model>-<type>-m<tokens>``).
+    head_dim, gqa and block_size do not apply to them (and are left out of their ids).
 
     The decoder layer's elementwise ops (no tensor cores; ids name what sets their tile):
     ``rms_norm`` and ``add_rms_norm`` (the norm fused with the residual add before it),
@@ -100,7 +101,8 @@ class Case:
     @property
     def wants_tensor_cores(self) -> bool:
         """16-bit attention and GEMMs must keep their ``tl.dot``s on the tensor cores."""
-        return (self.op in ("decode", "decode_split", "prefill", "moe_gemm", "gguf_gemm")
+        return (self.op in ("decode", "decode_split", "prefill", "moe_gemm", "gguf_gemm",
+                            "moe_gguf")
                 and self.dtype != "fp32")
 
 
@@ -166,6 +168,12 @@ def moe_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
                 cases.append(Case("moe_align", arch, "fp32", variant=f"{model}-m{m}"))
             for dt in ("bf16", "fp32"):
                 cases.append(Case("moe_route", arch, dt, variant=f"{model}-m{tokens[-1]}"))
+            # GGUF experts: every type at the decode and prefill tiles in bf16, and one
+            # type through every BLOCK_M bucket x dtype.
+            gguf = {(t, m, "bf16") for t in GGUF_TYPES for m in (tokens[0], tokens[-1])}
+            gguf |= {("Q4_K", m, dt) for m, dt in itertools.product(tokens, DTYPES)}
+            for t, m, dt in sorted(gguf):
+                cases.append(Case("moe_gguf", arch, dt, variant=f"{model}-{t.lower()}-m{m}"))
     return cases
 
 
@@ -285,6 +293,8 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         cases.append(Case("moe_gemm", arch, "bf16", variant="qwen3-m1"))  # N tiles of 32
         cases.append(Case("moe_gemm", arch, "bf16", variant="mixtral-m1"))  # 64 and 32
         cases.append(Case("moe_gemm", arch, "fp16", variant="mixtral-m4096"))
+        cases.append(Case("moe_gguf", arch, "bf16", variant="qwen3-q4_k-m1"))
+        cases.append(Case("moe_gguf", arch, "fp16", variant="mixtral-q6_k-m4096"))
         if arch == "sm_90":
             cases.append(Case("moe_align", arch, "fp32", variant="qwen3-m4096"))
             cases.append(Case("moe_route", arch, "bf16", variant="qwen3-m4096"))
@@ -396,6 +406,8 @@ def _plan_moe(case: Case) -> list[Launch]:
 
     target = ARCHS[case.arch].target()
     dtype = DTYPES[case.dtype]
+    if case.op == "moe_gguf":
+        return _plan_moe_gguf(case, target, dtype)
     model, tokens = case.variant.split("-m")
     experts, top_k, hidden, inter = MOE_SHAPES[model]
     t = int(tokens)
@@ -411,6 +423,24 @@ def _plan_moe(case: Case) -> list[Launch]:
         _meta(t * top_k, hidden, dtype=dtype), target)
     # fused_moe_launches: three alignment launches, then the two GEMMs.
     return launches[:3] if case.op == "moe_align" else launches[3:]
+
+
+def _plan_moe_gguf(case: Case, target: Target, dtype: torch.dtype) -> list[Launch]:
+    """The two grouped GEMMs of ``fused_moe_gguf`` for ``<model>-<type>-m<tokens>``,
+    both weights of that type."""
+    from deepinfer_kernels.fused_moe_gguf import fused_moe_gguf_launches
+    from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
+
+    model, qtype, tokens = case.variant.split("-")
+    fmt = next(f for f in BLOCK_FORMATS.values() if f.name == qtype.upper())
+    experts, top_k, hidden, inter = MOE_SHAPES[model]
+    t = int(tokens.removeprefix("m"))
+    u8 = torch.uint8
+    return fused_moe_gguf_launches(
+        _meta(t, hidden, dtype=dtype), _meta(experts, 2 * inter, fmt.row_bytes(hidden), dtype=u8),
+        _meta(experts, hidden, fmt.row_bytes(inter), dtype=u8), fmt, fmt,
+        _meta(t, top_k, dtype=torch.float32), _meta(t, top_k, dtype=torch.int32),
+        _meta(t * top_k, hidden, dtype=dtype), target)[3:]
 
 
 def _plan_layer(case: Case) -> list[Launch]:
