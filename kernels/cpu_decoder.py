@@ -28,13 +28,18 @@ from deepinfer_kernels.decoder_spec import (
     BlockWeight,
     DecoderStackFn,
     DecoderStackSpec,
+    Projection,
+    projection_parts,
 )
 from deepinfer_kernels.validation import check_gguf_blocks
 
 __all__ = ["bind_decoder_stack"]
 
 _ACTIVATIONS = (torch.float32, torch.bfloat16)
-_MODEL_FIELDS, _LAYER_FIELDS = 9, 16  # decoder_cpu.c's enums (checked against the library)
+# decoder_cpu.c's enums (checked against the library): a projection is up to _MAX_PARTS
+# parts of (pointer, row stride, type, rows).
+_MAX_PARTS, _PART_FIELDS = 3, 4
+_MODEL_FIELDS, _LAYER_FIELDS = 9, 4 + 4 * _MAX_PARTS * _PART_FIELDS
 
 
 def _vector_ok(w: torch.Tensor | None, size: int, dtype: torch.dtype) -> bool:
@@ -69,6 +74,26 @@ def _weight_fields(w: BlockWeight, n: int, k: int, types: frozenset[int]) -> lis
     return [blocks.data_ptr(), blocks.stride(0), fmt.type_id]
 
 
+def _projection_fields(w: Projection, n: int, k: int, types: frozenset[int]
+                       ) -> list[int] | None:
+    """``_MAX_PARTS`` x ``[pointer, row stride, type, rows]`` of a ``[n, k]`` projection
+    (unused parts zero), or None where a part is one the C kernels do not take or the
+    parts' rows do not add up to ``n``."""
+    parts = projection_parts(w)
+    if len(parts) > _MAX_PARTS:
+        return None
+    fields: list[int] = []
+    for part in parts:
+        rows = part.blocks.shape[0] if part.blocks.dim() == 2 else -1
+        f = _weight_fields(part, rows, k, types)
+        if f is None:
+            return None
+        fields += f + [rows]
+    if sum(fields[3::_PART_FIELDS]) != n:
+        return None
+    return fields + [0] * (_MAX_PARTS * _PART_FIELDS - len(fields))
+
+
 def _shapes_ok(spec: DecoderStackSpec) -> bool:
     """The attention kernel's and the rotary kernel's limits (see cpu_native.can_decode)."""
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -97,13 +122,13 @@ def _describe(spec: DecoderStackSpec) -> tuple[torch.Tensor, torch.Tensor] | Non
             return None
         if per_head != (None, None) and not all(_vector_ok(w, d, dtype) for w in per_head):
             return None
-        weights = [_weight_fields(layer.qkv, qs + 2 * kvs, h, types),
-                   _weight_fields(layer.o, h, qs, types),
-                   _weight_fields(layer.gate_up, 2 * inter, h, types),
-                   _weight_fields(layer.down, h, inter, types)]
+        weights = [_projection_fields(layer.qkv, qs + 2 * kvs, h, types),
+                   _projection_fields(layer.o, h, qs, types),
+                   _projection_fields(layer.gate_up, 2 * inter, h, types),
+                   _projection_fields(layer.down, h, inter, types)]
         if any(w is None for w in weights):
             return None
-        if dtype != torch.bfloat16 and any(w[2] == BF16_TYPE for w in weights):
+        if dtype != torch.bfloat16 and any(BF16_TYPE in w[2::_PART_FIELDS] for w in weights):
             return None  # the dense kernel takes bf16 activations only
         norms = [0 if w is None else w.data_ptr() for w in per_head]
         rows.append([layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),

@@ -6,7 +6,8 @@ stack for them (the model then runs layer by layer through the per-op kernels).
 
 Only the plain pre-norm Llama layer is described: fused q/k/v without bias, optional
 per-head q/k RMSNorm (Qwen3), RoPE, paged attention, gated MLP, all four projections
-kept as GGUF blocks or, with bf16 activations, as dense bf16 weights. Other layers
+kept as GGUF blocks (a fused projection's parts may differ in type) or, with bf16
+activations, as dense bf16 weights. Other layers
 (biases, MoE, tensor parallelism) have no spec.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BF16_TYPE", "BlockWeight", "DecoderLayerWeights", "DecoderStackFn", "DecoderStackSpec",
-           "bind_decoder_stack"]
+           "Projection", "bind_decoder_stack", "projection_parts"]
 
 
 #: ggml's BF16 type id: a ``BlockWeight`` of this type is a plain bfloat16 weight
@@ -35,6 +36,17 @@ class BlockWeight:
     qtype: int
 
 
+#: A projection: one weight, or parts of different types stacked along the output in
+#: order (llama.cpp's mixed presets store attn_v or ffn_up a type above the rest), each
+#: ``[rows_i, row_bytes_i]``.
+Projection = BlockWeight | tuple[BlockWeight, ...]
+
+
+def projection_parts(w: Projection) -> tuple[BlockWeight, ...]:
+    """The parts of a projection in output order (one for a single weight)."""
+    return w if isinstance(w, tuple) else (w,)
+
+
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One decoder layer. Norm weights ``[hidden]`` (q/k norms ``[head_dim]``, or None)
@@ -43,10 +55,10 @@ class DecoderLayerWeights:
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    qkv: BlockWeight
-    o: BlockWeight
-    gate_up: BlockWeight
-    down: BlockWeight
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 

@@ -3,8 +3,9 @@
 
 Only layers that are the plain pre-norm Llama block are described: q/k/v without bias or
 clipping, no full-width q/k norm, a dense gated MLP, every projection kept as GGUF blocks
-or bound to the CPU's dense bf16 kernel, one RMSNorm epsilon, no tensor parallelism. For
-any other model the spec is None and the decoder runs layer by layer.
+(a fused one's parts may differ in type) or bound to the CPU's dense bf16 kernel, one
+RMSNorm epsilon, no tensor parallelism. For any other model the spec is None and the
+decoder runs layer by layer.
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ from deepinfer.models.backend import ModelBackend
 from deepinfer.models.dense_kernels import dense_bf16_weight
 from deepinfer.models.layers import GatedMLP
 from deepinfer.models.parallel_layers import Linear
+from deepinfer.models.quantized import part_blocks
 from deepinfer_kernels.decoder_spec import (
     BF16_TYPE,
     BlockWeight,
     DecoderLayerWeights,
     DecoderStackFn,
     DecoderStackSpec,
+    Projection,
 )
 
 __all__ = ["DecoderStackBinding", "decoder_stack_spec"]
 
 
-def _blocks(layer: nn.Module) -> BlockWeight | None:
+def _blocks(layer: nn.Module) -> Projection | None:
     if not isinstance(layer, Linear) or layer.bias is not None:
         return None
+    if layer.block_parts is not None:  # parts of different types, in output order
+        return tuple(BlockWeight(part_blocks(layer, p.row_offset), p.qtype)
+                     for p in layer.block_parts)
     if layer.qtype is not None:
         return BlockWeight(layer.weight.detach(), layer.qtype)
     dense = dense_bf16_weight(layer)

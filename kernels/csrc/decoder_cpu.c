@@ -14,7 +14,8 @@
  *
  *   model   [MODEL_FIELDS] int64: hidden, q heads, kv heads, head dim, intermediate,
  *           bf16 activations, final norm weight, cos/sin cache [max_pos, d], max_pos
- *   layers  [num_layers, LAYER_FIELDS] int64: the pointers and types below
+ *   layers  [num_layers, LAYER_FIELDS] int64: the norms' pointers, then each projection's
+ *           parts (the enums below)
  *   x       [t, hidden] the embeddings (activation dtype); out [t, hidden] the result
  *   kv      [num_layers, 2, num_blocks, block_size, kv heads, head dim] contiguous cache
  *           in the activation dtype
@@ -62,9 +63,15 @@ int64_t paged_decode_attention_cpu(
 
 enum { M_HIDDEN, M_HQ, M_HKV, M_DIM, M_INTER, M_BF16, M_FINAL_NORM, M_COS_SIN, M_MAX_POS,
        MODEL_FIELDS };
-enum { L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_QKV, L_QKV_LD, L_QKV_TYPE, L_O,
-       L_O_LD, L_O_TYPE, L_GATE_UP, L_GATE_UP_LD, L_GATE_UP_TYPE, L_DOWN, L_DOWN_LD,
-       L_DOWN_TYPE, LAYER_FIELDS };
+/* A projection is up to MAX_PARTS parts, each (pointer, row stride, type, rows), stacked
+ * along the output in order; unused parts have 0 rows. Parts differ in type where
+ * llama.cpp's mixed presets store attn_v or ffn_up a type above the rest. */
+#define MAX_PARTS 3
+#define PART_FIELDS 4
+#define PROJ_FIELDS (MAX_PARTS * PART_FIELDS)
+enum { L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_QKV, L_O = L_QKV + PROJ_FIELDS,
+       L_GATE_UP = L_O + PROJ_FIELDS, L_DOWN = L_GATE_UP + PROJ_FIELDS,
+       LAYER_FIELDS = L_DOWN + PROJ_FIELDS };
 #define NO_MEMORY 3
 #define BAD_TYPE 1
 #define BF16_TYPE 30 /* ggml's BF16: a dense bf16 weight, row stride in elements */
@@ -73,24 +80,42 @@ int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
 #define P(v) ((void *)(intptr_t)(v))
 
-/* x [m, k] @ W.T -> out [m, n] (m < LARGE_M), the kernel the per-layer path picks
- * (cpu_gguf.py:_uses_gemm): int8 activations for bf16 x where this CPU and type have
- * them, the bf16 GEMM for 2 or more bf16 rows of the other types, else the exact one;
- * a dense bf16 weight always takes the dense GEMM (cpu_dense.py, below DENSE_MAX_M). */
+/* x [m, k] @ W.T -> out [m, n] with row stride ldo (m < LARGE_M), the kernel the
+ * per-layer path picks (cpu_gguf.py:_uses_gemm): int8 activations for bf16 x where this
+ * CPU and type have them, the bf16 GEMM for 2 or more bf16 rows of the other types, else
+ * the exact one; a dense bf16 weight always takes the dense GEMM (cpu_dense.py, below
+ * DENSE_MAX_M). */
 static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, int64_t n,
-                       void *out, int bf16, int64_t int8_mask, int threads) {
+                       void *out, int64_t ldo, int bf16, int64_t int8_mask, int threads) {
     const uint8_t *blocks = P(w[0]);
     int64_t ldw = w[1];
     int32_t qtype = (int32_t)w[2];
     if (qtype == BF16_TYPE)
-        return bf16 ? dense_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, out, n, 1, threads)
+        return bf16 ? dense_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, out, ldo, 1, threads)
                     : BAD_TYPE;
     if (bf16 && ((int8_mask >> qtype) & 1))
-        return gguf_matmul_int8_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, n, bf16,
+        return gguf_matmul_int8_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, ldo, bf16,
                                     threads);
     if (bf16 && m >= 2 && gguf_gemm_bf16_available())
-        return gguf_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, qtype, out, n, 1, threads);
-    return gguf_matmul_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, n, bf16, threads);
+        return gguf_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, qtype, out, ldo, 1, threads);
+    return gguf_matmul_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, ldo, bf16, threads);
+}
+
+/* A projection x [m, k] -> out [m, n]: each part's product into its columns, as the
+ * per-layer path concatenates them (the same kernel per part, so the same bits). */
+static int64_t projection(const void *x, int64_t m, int64_t k, const int64_t *parts,
+                          int64_t n, void *out, int bf16, int64_t int8_mask, int threads) {
+    const size_t es = bf16 ? 2 : 4;
+    int64_t row = 0;
+    for (int j = 0; j < MAX_PARTS; j++) {
+        const int64_t *w = parts + j * PART_FIELDS;
+        if (w[3] == 0) break;
+        int64_t rc = product(x, m, k, w, w[3], (char *)out + (size_t)row * es, n, bf16,
+                             int8_mask, threads);
+        if (rc) return rc;
+        row += w[3];
+    }
+    return row == n ? 0 : BAD_TYPE;
 }
 
 static inline float widen(const void *p, int64_t i, int bf16) {
@@ -158,7 +183,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
         else
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_IN_NORM]), hb, h, t, h, eps, bf16,
                               threads);
-        if (!rc) rc = product(hb, t, h, L + L_QKV, qkv_n, qkv, bf16, int8_mask, threads);
+        if (!rc) rc = projection(hb, t, h, L + L_QKV, qkv_n, qkv, bf16, int8_mask, threads);
         if (!rc)
             rc = rotary_qk_cpu(qkv, qkv_n, (char *)qkv + (size_t)qs * es, qkv_n, qrot, qs,
                                krot, kvs, t, hq, hkv, d, cos_sin, max_pos, positions,
@@ -173,13 +198,14 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
                                         table_stride, bf16, tables_i64, threads);
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) narrow(attn, e, attn_f[e], bf16);
-        rc = product(attn, t, qs, L + L_O, h, cur, bf16, int8_mask, threads);
+        rc = projection(attn, t, qs, L + L_O, h, cur, bf16, int8_mask, threads);
         if (!rc)
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_POST_NORM]), hb, h, t, h, eps,
                               bf16, threads);
-        if (!rc) rc = product(hb, t, h, L + L_GATE_UP, 2 * inter, gu, bf16, int8_mask, threads);
+        if (!rc)
+            rc = projection(hb, t, h, L + L_GATE_UP, 2 * inter, gu, bf16, int8_mask, threads);
         if (!rc) rc = silu_and_mul_cpu(gu, 2 * inter, act, inter, t, inter, bf16, threads);
-        if (!rc) rc = product(act, t, inter, L + L_DOWN, h, cur, bf16, int8_mask, threads);
+        if (!rc) rc = projection(act, t, inter, L + L_DOWN, h, cur, bf16, int8_mask, threads);
     }
     if (!rc && num_layers > 0)
         rc = rms_norm_cpu(cur, h, res, h, res, h, P(model[M_FINAL_NORM]), out, h, t, h, eps,

@@ -105,6 +105,28 @@ def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     assert torch.equal(fused_cache, plain_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_over_mixed_type_parts_gives_the_per_layer_bits(tmp_path, dtype):
+    """llama.cpp's mixed presets: attn_v in Q8_0 beside Q4_0 q/k, ffn_up in Q6_K beside a
+    Q4_0 gate. The fused q/k/v and gate/up projections reach the C step as parts (each
+    part's product into its columns, the kernel the per-layer path picks for its type):
+    the fused step runs, with the per-layer bits."""
+    path = write_quantized_gguf(str(tmp_path / "mixed.gguf"), "Q4_0",
+                                types={"attn_v": "Q8_0", "ffn_up": "Q6_K"})
+    model, cfg = load_model(path, dtype=str(dtype).removeprefix("torch."),
+                            quantization="auto")
+    layer = decoder_stack_spec(model).layers[0]
+    assert [w.qtype for w in layer.qkv] == [2, 2, 8]  # Q4_0, Q4_0, Q8_0
+    assert [w.qtype for w in layer.gate_up] == [2, 14]  # Q4_0, Q6_K
+    assert model.decoder_stack.get(model, cpu_backend) is not None
+    prompts = {s: list(range(3 + s, 9 + 3 * s)) for s in range(3)}
+    fused, fused_cache = _run(model, cfg, dtype, cpu_backend, prompts, steps=4)
+    plain, plain_cache = _run(model, cfg, dtype, LAYER_BY_LAYER, prompts, steps=4)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
 def test_fused_step_declines_what_it_does_not_take(auto_model):
     model, cfg, dtype = auto_model
     fn = model.decoder_stack.get(model, cpu_backend)

@@ -159,12 +159,14 @@ def test_quantized_experts_through_fused_moe_gguf(backend_name, moe_checkpoints,
 
 
 def test_experts_without_expert_kernels_are_planned_dequantized(moe_checkpoints, tmp_path):
-    """Where the device has GGUF kernels but none for experts (CUDA: see
-    ``gguf_kernels.expert_kernel_types``), the experts are left out of the plan and
-    named for the loader's warning; with them, every expert of every layer is planned."""
+    """Where the device has GGUF kernels but none for experts, the experts are left out
+    of the plan and named for the loader's warning; with them, every expert of every
+    layer is planned. ``gguf_kernels.expert_kernel_types`` gives every type on CUDA
+    (Triton's ``fused_moe_gguf``) as on the CPU."""
     from deepinfer.loading.gguf_file import quantized_plan
     from deepinfer.loading.gguf_reader import open_gguf
     from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
+    from deepinfer_kernels.gguf_kernels import expert_kernel_types, kernel_types
 
     path = str(tmp_path / "mixtral.gguf")
     write_tiny_gguf(moe_checkpoints["mixtral"].hf_model, "llama", path, expert_type="Q8_0")
@@ -173,6 +175,8 @@ def test_experts_without_expert_kernels_are_planned_dequantized(moe_checkpoints,
     assert not any(".experts." in n for n in plan) and missing == {"Q8_0 experts"}
     plan, missing = quantized_plan(open_gguf(path), everything, everything)
     cfg = moe_checkpoints["mixtral"].hf_model.config
+    assert expert_kernel_types("cuda") == kernel_types("cuda") == everything
+    assert expert_kernel_types("cpu") == kernel_types("cpu")
     assert sum(".experts." in n for n in plan) == 3 * 4 * cfg.num_hidden_layers
     assert not missing
 
