@@ -214,7 +214,7 @@ def test_same_ops_as_reference():
     """The reference's ops, plus the torch decode path the native kernel falls back to
     (the elementwise layer ops are cpu_layer_ops', tested in test_cpu_layer_ops.py)."""
     torch_ops = ["clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe",
-                 "sample_tokens"]
+                 "fused_moe_gguf", "sample_tokens"]
     layer_ops = ["rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul"]
     names = ["store_kv", "paged_decode_attention", "paged_prefill_attention", *torch_ops,
              *layer_ops]
