@@ -50,6 +50,24 @@ def fused_moe_gemm(
     return out
 
 
+def moe_layer_buffers(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      inter: int, target: Target
+                      ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a MoE layer call's launches share, allocated on x's device (``[T, H]``):
+    ``(block_m, sorted_ids, block_expert, num_padded, act)``, the alignment's outputs
+    sized by host bounds from shapes, and the ``[T * k, inter]`` SiLU-and-mul output in
+    x's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    block_m = moe_block_m(num_tokens, top_k, num_experts, target)
+    size = moe_align_size(num_tokens * top_k, num_experts, block_m)
+    device = x.device
+    return (block_m,
+            torch.empty((size,), dtype=torch.int32, device=device),
+            torch.empty((size // block_m,), dtype=torch.int32, device=device),
+            torch.empty((1,), dtype=torch.int32, device=device),
+            torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=device))
+
+
 def fused_moe_launches(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -63,15 +81,10 @@ def fused_moe_launches(
     down), for validated non-empty arguments. Pure: shapes, dtypes and ``target``; the
     buffers are allocated on x's device (meta tensors plan without a GPU). ``out`` here
     is the per-pair ``[T * top_k, H]`` buffer."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
-    block_m = moe_block_m(num_tokens, top_k, num_experts, target)
-    size = moe_align_size(num_tokens * top_k, num_experts, block_m)
-    device = x.device
-    sorted_ids = torch.empty((size,), dtype=torch.int32, device=device)
-    block_expert = torch.empty((size // block_m,), dtype=torch.int32, device=device)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=device)
+    top_k = topk_ids.shape[1]
+    num_experts = w2.shape[0]
+    block_m, sorted_ids, block_expert, num_padded, act = moe_layer_buffers(
+        x, topk_ids, num_experts, w2.shape[2], target)
     return (
         align_launches(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded,
                        target)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_kernels.fused_moe import moe_layer_buffers
 from deepinfer_kernels.gguf_blocks import BlockFormat
-from deepinfer_kernels.moe_align import align_launches, moe_align_size
-from deepinfer_kernels.moe_gemm import moe_block_m
+from deepinfer_kernels.moe_align import align_launches
 from deepinfer_kernels.moe_gguf_gemm import moe_gguf_gemm_launches
 from deepinfer_kernels.runtime import Launch, Target, run_launches
 from deepinfer_kernels.validation import check_fused_moe_gguf_args
@@ -31,15 +31,10 @@ def fused_moe_gguf_launches(
     non-empty arguments (pure: shapes, dtypes and ``target``; buffers are allocated on
     x's device, so meta tensors plan without a GPU). ``out``: the per-pair
     ``[T * top_k, H]`` buffer."""
-    num_tokens, top_k = topk_ids.shape
-    num_experts, inter = w2.shape[0], w13.shape[1] // 2
-    block_m = moe_block_m(num_tokens, top_k, num_experts, target)
-    size = moe_align_size(num_tokens * top_k, num_experts, block_m)
-    device = x.device
-    sorted_ids = torch.empty((size,), dtype=torch.int32, device=device)
-    block_expert = torch.empty((size // block_m,), dtype=torch.int32, device=device)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=device)
+    top_k = topk_ids.shape[1]
+    num_experts = w2.shape[0]
+    block_m, sorted_ids, block_expert, num_padded, act = moe_layer_buffers(
+        x, topk_ids, num_experts, w13.shape[1] // 2, target)
     return (
         align_launches(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded,
                        target)

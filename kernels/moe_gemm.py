@@ -24,6 +24,38 @@ from deepinfer_kernels.tl_helpers import mma
 
 
 @triton.jit
+def moe_tile(sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, N,
+             TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of a grouped GEMM over ``moe_align``'s sorted ids: program ->
+    (m block, n block), GROUP_M m blocks at a time sweeping n, so the neighbouring
+    programs of a wave share a rows and weight tiles in L2. Returns ``(live, expert,
+    pair, row_ok, a_row, n)``: whether the block holds rows (blocks past the device-side
+    padded total do not), its expert (int64), the pairs of its rows ``[BLOCK_M]`` (the
+    sentinel ``num_pairs`` on padding rows), which are real, the row of a each reads,
+    and the tile's columns ``[BLOCK_N]``."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.num_programs(0) // num_n
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + r)
+    row_ok = pair < num_pairs
+    if A_PER_TOKEN:
+        a_row = pair // TOP_K
+    else:
+        a_row = pair
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return live, expert, pair, row_ok, a_row, n
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
     num_pairs, N, K,
@@ -34,28 +66,11 @@ def moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Program -> (m block, n block), GROUP_M m blocks at a time sweeping n, so the
-    # neighbouring programs of a wave share A rows and weight tiles in L2.
-    pid = tl.program_id(0)
-    num_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    live, expert, pair, row_ok, a_row, n = moe_tile(
+        sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, N, TOP_K, A_PER_TOKEN,
+        BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + r)
-    row_ok = pair < num_pairs
-    if A_PER_TOKEN:
-        a_row = pair // TOP_K
-    else:
-        a_row = pair
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
 

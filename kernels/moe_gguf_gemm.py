@@ -22,6 +22,7 @@ import triton.language as tl
 
 from deepinfer_kernels.gguf_blocks import BlockFormat
 from deepinfer_kernels.gguf_decode import weight_tile
+from deepinfer_kernels.moe_gemm import moe_tile
 from deepinfer_kernels.runtime import Launch, Target, dot_flags, next_pow2
 from deepinfer_kernels.tl_helpers import mma
 
@@ -37,28 +38,11 @@ def moe_gguf_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
     GROUP_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Program -> (m block, n block), GROUP_M m blocks at a time sweeping n (L2 reuse of
-    # a rows and weight tiles within a wave), as in moe_gemm.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.num_programs(0) // num_n
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    live, expert, pair, row_ok, a_row, n = moe_tile(
+        sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, N, TOP_K, A_PER_TOKEN,
+        BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + r)
-    row_ok = pair < num_pairs
-    if A_PER_TOKEN:
-        a_row = pair // TOP_K
-    else:
-        a_row = pair
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N decode row N - 1 (never stored): the weight loads need no mask.
     rows = tl.minimum(n, N - 1).to(tl.int64) * stride_bn
     b_expert = b_ptr + expert * stride_be

@@ -30,7 +30,20 @@ def _calls():
     pos = torch.tensor([0, 3, 31, 7, 2], device=DEVICE)
     norm_w = randn((64,), torch.float32, g)
     temps, uniforms = w[:5].abs() + 0.5, w[5:10].abs() % 1
+    # A MoE layer: 4 experts, top-2, H = 64, I = 32; float and Q8_0-block experts (each
+    # block's fp16 scale set to 1.0, so no NaN from random bytes).
+    moe_x = randn((3, 64), torch.float32, g)
+    w13, w2 = randn((4, 64, 64), torch.float32, g), randn((4, 64, 32), torch.float32, g)
+    topk_ids = torch.tensor([[0, 2], [1, 3], [2, 0]], dtype=torch.int32, device=DEVICE)
+    topk_w = w[:6].abs().view(3, 2).contiguous()
+    b13 = torch.randint(0, 256, (4, 64, 2, 34), generator=g, dtype=torch.uint8)
+    b2 = torch.randint(0, 256, (4, 64, 1, 34), generator=g, dtype=torch.uint8)
+    for b in (b13, b2):
+        b[..., 0], b[..., 1] = 0x00, 0x3C
+    b13, b2 = b13.reshape(4, 64, 68).to(DEVICE), b2.reshape(4, 64, 34).to(DEVICE)
     return [
+        lambda: deepinfer_kernels.fused_moe(moe_x, w13, w2, topk_w, topk_ids),
+        lambda: deepinfer_kernels.fused_moe_gguf(moe_x, b13, b2, 8, 8, topk_w, topk_ids),
         lambda: deepinfer_kernels.rms_norm(x, w, 1e-6),
         lambda: deepinfer_kernels.add_rms_norm(x, x, w, 1e-6),
         lambda: deepinfer_kernels.rotary_qk(qp, k, rope, pos),
