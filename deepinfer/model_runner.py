@@ -34,6 +34,7 @@ from deepinfer.sampling.step_sampling import StepSampling
 from deepinfer.sampling.table import NO_SEED, SamplingTable
 from deepinfer.step_channel import FollowerStep, StepChannel
 from deepinfer.structured.bitmask import BitmaskStaging, TokenMask, apply_token_mask
+from deepinfer_kernels import cpu_backend
 
 
 class ModelRunner:
@@ -75,8 +76,9 @@ class ModelRunner:
         self.backend = backend
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
-        # The Triton draw on a GPU; on a CPU (the interpreter) the torch one is 50x faster.
-        self.sampler = Sampler(backend if device.type == "cuda" else None,
+        # The Triton draw on a GPU; on a CPU the C one whatever the model's backend (the
+        # Triton interpreter is 50x slower than torch, torch's top-p 100x slower than C).
+        self.sampler = Sampler(backend if device.type == "cuda" else cpu_backend,
                                None if seed is None
                                else torch.Generator(device).manual_seed(seed % (1 << 63)))
         # A follower never samples: one row keeps the shapes valid.

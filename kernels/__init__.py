@@ -54,6 +54,7 @@ else:
         rms_norm,
         rotary_qk,
         sample_tokens,
+        sample_tokens_filtered,
         silu_and_mul,
         store_kv,
         zero_states,
@@ -76,6 +77,7 @@ else:
         "rotary_qk",
         "silu_and_mul",
         "sample_tokens",
+        "sample_tokens_filtered",
         "gguf_matmul",
         "bind_decoder_stack",
     ]

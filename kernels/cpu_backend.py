@@ -53,13 +53,13 @@ import torch.nn.functional as F
 from deepinfer_kernels import cpu_native, reference
 from deepinfer_kernels.cpu_decoder import bind_decoder_stack
 from deepinfer_kernels.cpu_layer_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul
+from deepinfer_kernels.cpu_sampling import sample_tokens, sample_tokens_filtered
 from deepinfer_kernels.reference import (
     clone_blocks,
     clone_states,
     fused_moe,
     fused_moe_gguf,
     moe_route,
-    sample_tokens,
     zero_states,
 )
 from deepinfer_kernels.workspace import scratch
@@ -80,6 +80,7 @@ __all__ = [
     "rotary_qk",
     "silu_and_mul",
     "sample_tokens",
+    "sample_tokens_filtered",
     "bind_decoder_stack",
 ]
 

@@ -38,10 +38,12 @@ __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
 # with int8 activations, and the bf16 GEMM for many rows), the decoder layer's
-# elementwise ops, the K/V store, and the decode step's whole stack of layers made of them.
+# elementwise ops, the K/V store, the decode step's whole stack of layers made of them, and
+# token sampling.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
-           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c")
+           _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
+           _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
 HEADERS = (_CSRC / "vec16.h",)
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
@@ -65,6 +67,7 @@ _SIGNATURES = {
     "silu_and_mul_cpu": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32],
     "store_kv_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32],
     "decoder_stack_fields": [],
+    "sample_tokens_cpu": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32],
     "decoder_stack_cpu": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
                           _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _I32],
 }

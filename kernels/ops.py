@@ -36,7 +36,7 @@ if _IMPORT_ERROR is None:
     from deepinfer_kernels.prefill_attention import paged_prefill_attention
     from deepinfer_kernels.rms_norm import add_rms_norm, rms_norm
     from deepinfer_kernels.rotary import rotary_qk
-    from deepinfer_kernels.sampling import sample_tokens
+    from deepinfer_kernels.sampling import sample_tokens, sample_tokens_filtered
     from deepinfer_kernels.store_kv import store_kv
 else:  # pragma: no cover
 
@@ -66,4 +66,5 @@ else:  # pragma: no cover
     rotary_qk = _missing("rotary_qk")
     silu_and_mul = _missing("silu_and_mul")
     sample_tokens = _missing("sample_tokens")
+    sample_tokens_filtered = _missing("sample_tokens_filtered")
     gguf_matmul = _missing("gguf_matmul")

@@ -5,8 +5,9 @@ K/V caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and a slot i
 ``block_id * block_size + offset``. Decode is batched over sequences (it is the CPU decode
 path of the engine); prefill loops over the sequences of a step in Python, which is fine
 for a reference and for the few prompts of a CPU prompt step. The GGUF quantized-weight
-ops (``dequantize_gguf``, ``gguf_matmul``) live in ``gguf_reference`` and are re-exported
-here, so this module still holds the reference of every op.
+ops (``dequantize_gguf``, ``gguf_matmul``) live in ``gguf_reference`` and the sampling ops
+(``sample_tokens``, ``sample_tokens_filtered``) in ``sampling_reference``; both are
+re-exported here, so this module still holds the reference of every op.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import torch.nn.functional as F
 # Re-exported: this module holds the reference of every op.
 from deepinfer_kernels.decoder_spec import bind_decoder_stack  # noqa: F401
 from deepinfer_kernels.gguf_reference import dequantize_gguf, gguf_matmul  # noqa: F401
+from deepinfer_kernels.sampling_reference import (  # noqa: F401
+    filter_logits,
+    inverse_cdf_draw_ok,
+    sample_tokens,
+    sample_tokens_filtered,
+)
 
 
 def store_kv(
@@ -234,43 +241,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate then up) -> ``silu(gate) * up`` ``[T, I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-# --- sampling -----------------------------------------------------------------------------
-
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
-                  uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row from ``softmax(logits / temperature)`` by inverting the CDF at
-    ``uniforms`` (``[N]`` float32): the first token whose cumulative probability exceeds
-    ``uniform * total``. logits ``[N, V]`` (not modified) -> ``[N]`` int64. A token with
-    zero probability is never returned (should rounding land on one, the row's most
-    likely token instead)."""
-    probs = torch.softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(1)
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    token_ids.clamp_(max=probs.shape[-1] - 1)
-    ok = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1) > 0
-    return torch.where(ok, token_ids, probs.argmax(dim=-1))
-
-
-def inverse_cdf_draw_ok(logits: torch.Tensor, temperatures: torch.Tensor,
-                        uniforms: torch.Tensor, token_ids: torch.Tensor,
-                        rel_tol: float = 1e-5) -> torch.Tensor:
-    """Per row (``[N]`` bool): whether ``token_ids`` ``[N]`` is an inverse-CDF answer of
-    ``softmax(logits / temperature)`` at ``uniforms``, checked in float64 up to
-    ``rel_tol`` of the total: ``cdf[i-1] <= target + tol``, ``cdf[i] >= target - tol``
-    and ``p[i] > 0``. The oracle for any draw whose sums run in another order than
-    ``sample_tokens``' (a row whose target lies within rounding of a boundary may then
-    pick either neighbour, both valid)."""
-    p = torch.softmax(logits.double() / temperatures.double()[:, None], dim=-1)
-    cdf = p.cumsum(dim=-1)
-    total = cdf[:, -1]
-    target, tol = uniforms.double() * total, rel_tol * total
-    i = token_ids.unsqueeze(1)
-    above = cdf.gather(1, i).squeeze(1)
-    below = torch.where(token_ids > 0, cdf.gather(1, (i - 1).clamp(min=0)).squeeze(1), 0.0)
-    return (below <= target + tol) & (above >= target - tol) & (p.gather(1, i).squeeze(1) > 0)
 
 
 # --- mixture of experts ------------------------------------------------------------------

@@ -14,9 +14,11 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.runtime import Launch, Target, run_launches
+from deepinfer_kernels.sampling_reference import filter_logits
 from deepinfer_kernels.validation import (
     FLOAT_DTYPES,
     check_runnable_device,
+    check_sampling_args,
     check_shape,
     check_tensor,
 )
@@ -112,6 +114,22 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
         run_launches(sample_tokens_launches(logits, temperatures, uniforms, out,
                                             Target.of(device)))
     return out
+
+
+def sample_tokens_filtered(logits: torch.Tensor, temperatures: torch.Tensor,
+                           uniforms: torch.Tensor, top_k: torch.Tensor | None = None,
+                           top_p: torch.Tensor | None = None,
+                           min_p: torch.Tensor | None = None,
+                           max_top_k: int | None = None) -> torch.Tensor:
+    """``sample_tokens`` after top-k (``[N]`` int64), top-p and min-p (``[N]`` fp32 each;
+    None: off), as ``reference.sample_tokens_filtered``: the filters run in torch on a
+    scaled float32 copy (``reference.filter_logits``: a sort per row for top-p), the draw
+    in the kernel. ``max_top_k`` (a host bound on ``top_k``) keeps top-k alone from
+    reading the device. ``logits`` ``[N, V]`` is not modified; returns ``[N]`` int64."""
+    check_sampling_args(logits, temperatures=temperatures, uniforms=uniforms, top_k=top_k,
+                        top_p=top_p, min_p=min_p)
+    scaled = filter_logits(logits, temperatures, top_k, top_p, min_p, max_top_k)
+    return sample_tokens(scaled, torch.ones_like(uniforms), uniforms)
 
 
 def sample_tokens_launches(logits: torch.Tensor, temperatures: torch.Tensor,

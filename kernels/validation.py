@@ -317,3 +317,20 @@ def check_gguf_matmul_args(x: object, blocks: object, qtype: object, out: object
         o = check_tensor("out", out, ndim=2, dtypes=(xt.dtype,), device=xt.device)
         check_shape("out", o, (xt.shape[0], b.shape[0]))
     return xt, b, fmt
+
+
+def check_sampling_args(logits: object, **rows: object) -> torch.Tensor:
+    """``logits`` ``[N, V]`` float with ``V >= 1``; each of ``rows`` (None allowed: a
+    filter that is off) a ``[N]`` tensor on its device, int64 for ``top_k``, float32
+    otherwise. Returns the typed logits."""
+    lg = check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    n, vocab = lg.shape
+    if vocab == 0:
+        fail("logits", "a non-empty vocabulary", f"shape {(n, vocab)}")
+    for name, t in rows.items():
+        if t is None:
+            continue
+        dtype = torch.int64 if name == "top_k" else torch.float32
+        check_shape(name, check_tensor(name, t, ndim=1, dtypes=(dtype,), device=lg.device),
+                    (n,))
+    return lg

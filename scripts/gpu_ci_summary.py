@@ -98,7 +98,9 @@ def layer_ops_headline():
 
 def sampling_headline():
     return fused_headline("sampling", "temperature sampling fused vs torch",
-                          lambda r: f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}")
+                          lambda r: f"{r['speedup']:.1f}x at {r['rows']}x{r['vocab']}"
+                          + ("" if r.get("filters", "none") == "none"
+                             else f" ({r['filters']})"))
 
 
 def quant_headline():

@@ -129,3 +129,13 @@ class KernelBackend(ModelBackend, Protocol):
         """One draw per row of ``softmax(logits / temperature)`` (logits ``[N, V]``) by
         inverting the CDF at ``uniforms`` (``[N]`` fp32); returns ``[N]`` int64."""
         ...
+
+    def sample_tokens_filtered(self, logits: torch.Tensor, temperatures: torch.Tensor,
+                               uniforms: torch.Tensor, top_k: torch.Tensor | None = None,
+                               top_p: torch.Tensor | None = None,
+                               min_p: torch.Tensor | None = None,
+                               max_top_k: int | None = None) -> torch.Tensor:
+        """``sample_tokens`` after top-k (``[N]`` int64), top-p and min-p (``[N]`` fp32
+        each; None: off for every row), in that order (``reference.filter_logits``);
+        ``logits`` not modified; ``max_top_k``: a host bound on the rows' ``top_k``."""
+        ...

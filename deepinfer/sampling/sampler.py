@@ -10,7 +10,8 @@ One ``Sampler.sample`` call turns the logits of every sample of a step into toke
    that leaves a row nothing (a grammar that can only end): the end wins there;
 5. greedy rows: argmax here; other rows: temperature, top-k, top-p, min-p, then one
    uniform per row inverted through the row's cumulative distribution, an exact draw
-   from ``p`` (the ops' ``sample_tokens``: one fused kernel on a GPU). Seeded rows take
+   from ``p`` (the ops' ``sample_tokens`` / ``sample_tokens_filtered``: one C call on
+   the CPU, one fused kernel after the torch filters on a GPU). Seeded rows take
    their uniform from ``table.seeded_uniforms`` (host, counter-based), the
    others from one batched ``torch.rand``.
 
@@ -236,11 +237,10 @@ class Sampler:
             raise ValueError(f"sample: {n} logit rows but {st.top_k.shape[0]} parameter rows")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device), None
-        # Own copy in float32 when a step below works in place (greedy rows and plain
-        # temperature sampling only read: no [N, V] copy, 50 MB at 256 rows of a 49k vocab).
+        # Own copy in float32 when a step below works in place (greedy rows and the draws,
+        # filtered or not, only read: no [N, V] copy, 50 MB at 256 rows of a 49k vocab).
         in_place = (st.do_repetition or st.do_presence_frequency
-                    or st.banned_rows is not None or st.steering is not None
-                    or (not st.all_greedy and (st.do_top_k or st.do_top_p or st.do_min_p)))
+                    or st.banned_rows is not None or st.steering is not None)
         logits = logits.to(torch.float32, copy=in_place and not owned)
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if st.max_logprobs >= 0 else None
@@ -301,9 +301,9 @@ class Sampler:
             logits -= st.floats[_PRES].unsqueeze(1) * seen_out
 
     def _sample_random(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """Temperature, filters, then inverse-CDF sampling with one uniform per row;
-        greedy rows get garbage (replaced by the caller). ``logits`` is only modified when
-        a filter is on (``sample`` then made it a copy)."""
+        """Temperature, filters, then inverse-CDF sampling with one uniform per row, by
+        the ops (one C call on the CPU, the torch filters and one kernel on a GPU); greedy
+        rows get garbage (replaced by the caller). ``logits`` is not modified."""
         uniform = st.floats[_UNIFORM]
         if not st.all_seeded:
             fresh = torch.rand(uniform.shape, device=uniform.device,
@@ -311,17 +311,12 @@ class Sampler:
             uniform = torch.where(uniform.isnan(), fresh, uniform) if st.any_seeded else fresh
         if not (st.do_top_k or st.do_top_p or st.do_min_p):
             return self.ops.sample_tokens(logits, st.temperatures, uniform)
-        logits.div_(st.temperatures.unsqueeze(1))
-        if st.do_top_p:
-            _top_k_top_p_sorted(logits, st.top_k if st.do_top_k else None, st.top_p)
-        elif st.do_top_k:
-            _top_k(logits, st.top_k, st.max_top_k)
-        if st.do_min_p:
-            # p_i < min_p * p_max  <=>  logit_i - max logit < log(min_p): no softmax here.
-            top = logits.amax(dim=-1, keepdim=True)
-            logits.masked_fill_(logits - top < st.min_p.log().unsqueeze(1), float("-inf"))
-        # Already scaled by the temperature: the draw itself divides by one.
-        return self.ops.sample_tokens(logits, torch.ones_like(uniform), uniform)
+        return self.ops.sample_tokens_filtered(
+            logits, st.temperatures, uniform,
+            top_k=st.top_k if st.do_top_k else None,
+            top_p=st.top_p if st.do_top_p else None,
+            min_p=st.min_p if st.do_min_p else None,
+            max_top_k=st.max_top_k)
 
 
 def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
@@ -345,30 +340,3 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             and logits.is_contiguous() and logits.shape[1] > 0):
         return torch.from_numpy(logits.numpy().argmax(axis=1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
-
-
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:
-    """Keep each row's ``top_k[i]`` largest logits (ties at the threshold survive)."""
-    vals = logits.topk(max_k, dim=-1).values  # [N, max_k], descending
-    kth = vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
-    # Rows with top-k off (k == vocab > max_k) keep everything.
-    kth.masked_fill_((top_k > max_k).unsqueeze(1), float("-inf"))
-    logits.masked_fill_(logits < kth, float("-inf"))
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
-                        top_p: torch.Tensor) -> None:
-    """Top-k then top-p with one descending sort; rows with ``top_p`` 1 skip top-p.
-    Ties at the k-th value survive top-k, as in ``_top_k`` (and vLLM): which of several
-    equal logits the sort puts first must not decide which ones can be drawn."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k.clamp(min=1, max=vocab) - 1).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens before it already reach top_p; the first always stays.
-    before = probs.cumsum(dim=-1) - probs
-    drop = (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    logits.scatter_(1, order, sorted_logits)

@@ -212,12 +212,14 @@ def test_store_kv_slot_past_the_cache_is_named():
 
 def test_same_ops_as_reference():
     """The reference's ops, plus the torch decode path the native kernel falls back to
-    (the elementwise layer ops are cpu_layer_ops', tested in test_cpu_layer_ops.py)."""
+    (the elementwise layer ops are cpu_layer_ops', tested in test_cpu_layer_ops.py; the
+    draws cpu_sampling's, tested in test_cpu_sampling.py)."""
     torch_ops = ["clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe",
-                 "fused_moe_gguf", "sample_tokens"]
+                 "fused_moe_gguf"]
     layer_ops = ["rms_norm", "add_rms_norm", "rotary_qk", "silu_and_mul"]
+    sampling_ops = ["sample_tokens", "sample_tokens_filtered"]
     names = ["store_kv", "paged_decode_attention", "paged_prefill_attention", *torch_ops,
-             *layer_ops]
+             *layer_ops, *sampling_ops]
     # Plus its own: the fused decode stack (tests/models/test_decoder_stack.py).
     assert sorted(cpu_backend.__all__) == sorted(
         names + ["gathered_decode_attention", "bind_decoder_stack"])

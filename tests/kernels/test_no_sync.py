@@ -50,6 +50,9 @@ def _calls():
         lambda: deepinfer_kernels.rotary_qk(qp, k, rope, pos, norm_w, norm_w),
         lambda: deepinfer_kernels.silu_and_mul(x),
         lambda: deepinfer_kernels.sample_tokens(x, temps, uniforms),
+        lambda: deepinfer_kernels.sample_tokens_filtered(
+            x, temps, uniforms, top_k=pos, top_p=temps.clamp(max=0.9),
+            min_p=uniforms * 0.1, max_top_k=31),
         lambda: deepinfer_kernels.store_kv(k, k, kv.k_cache, kv.v_cache, slots),
         lambda: deepinfer_kernels.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                                kv.seq_lens),

@@ -146,7 +146,8 @@ def test_public_api_matches_reference():
         "store_kv", "paged_decode_attention", "paged_prefill_attention", "clone_blocks",
         "zero_states", "clone_states", "moe_route", "moe_align", "fused_moe_gemm",
         "fused_moe", "fused_moe_gguf", "rms_norm", "add_rms_norm", "rotary_qk",
-        "silu_and_mul", "sample_tokens", "gguf_matmul", "bind_decoder_stack"])
+        "silu_and_mul", "sample_tokens", "sample_tokens_filtered", "gguf_matmul",
+        "bind_decoder_stack"])
     for name in deepinfer_kernels.__all__:
         ours = inspect.signature(getattr(deepinfer_kernels, name))
         ref = inspect.signature(getattr(reference, name))

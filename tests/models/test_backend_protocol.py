@@ -78,7 +78,8 @@ def test_kernel_backend_extends_the_model_backend() -> None:
             "add_rms_norm", "rotary_qk", "silu_and_mul", "moe_route",
             "fused_moe", "fused_moe_gguf", "bind_decoder_stack"} == set(model_ops)
     assert set(kernel_ops) - set(model_ops) == {"clone_blocks", "zero_states",
-                                                "clone_states", "sample_tokens"}
+                                                "clone_states", "sample_tokens",
+                                                "sample_tokens_filtered"}
 
 
 def _copy_of_reference(**replace: Any) -> SimpleNamespace:

@@ -1,8 +1,8 @@
-"""The sampler's draw: rows are drawn by its ops' ``sample_tokens`` (here the Triton
-kernel, through the interpreter on a CPU machine): straight from the logits when they only
-scale by a temperature, after the torch filters when top-k/top-p/min-p are on. Either way
-the ids are the torch sampler's (``Sampler()``: ``deepinfer_kernels.reference``) for the same
-uniforms."""
+"""The sampler's draw: rows are drawn by its ops (here the Triton package, through the
+interpreter on a CPU machine): ``sample_tokens`` straight from the logits when they only
+scale by a temperature, ``sample_tokens_filtered`` (the torch filters, then the kernel)
+when top-k/top-p/min-p are on. Either way the ids are the torch sampler's (``Sampler()``:
+``deepinfer_kernels.reference``) for the same uniforms."""
 
 from __future__ import annotations
 
@@ -18,14 +18,19 @@ V = 300
 
 
 class CountingOps(SimpleNamespace):
-    """An ops provider whose ``sample_tokens`` is the Triton kernel, counting its calls."""
+    """An ops provider whose draws are the Triton package's, counting the calls of each."""
 
     def __init__(self) -> None:
-        super().__init__(calls=0)
+        super().__init__(calls=0, filtered_calls=0)
 
     def sample_tokens(self, logits, temperatures, uniforms):
         self.calls += 1
         return deepinfer_kernels.sample_tokens(logits, temperatures, uniforms)
+
+    def sample_tokens_filtered(self, logits, temperatures, uniforms, **filters):
+        self.filtered_calls += 1
+        return deepinfer_kernels.sample_tokens_filtered(logits, temperatures, uniforms,
+                                                        **filters)
 
 
 def params(top_p: float = 1.0) -> list[SP]:
@@ -81,19 +86,19 @@ def test_bf16_logits_and_banned_tokens_take_the_fused_path():
 
 
 def test_filtered_batch_filters_in_torch_then_draws_with_the_ops():
-    """top-p (and min-p) filter the scaled logits in torch; the draw is still the ops'
-    one (temperature 1 then), with the torch sampler's ids."""
+    """top-p (and min-p) go to the ops' filtered draw (torch filters, then the kernel),
+    with the torch sampler's ids."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, V, generator=g) * 3
     st = SamplingTensors.from_params(params(top_p=0.8), V, "cpu")
     assert st.do_top_p
     ops = CountingOps()
     fused, ref = sample_both(logits, st, ops)
-    assert ops.calls == 1
+    assert (ops.calls, ops.filtered_calls) == (0, 1)
     assert torch.equal(fused, ref)
     with_min_p = [SP(temperature=p.temperature, top_p=p.top_p, min_p=0.1, seed=p.seed)
                   for p in params(top_p=0.8)]
     st = SamplingTensors.from_params(with_min_p, V, "cpu")
     fused, ref = sample_both(logits, st, ops)
-    assert ops.calls == 2
+    assert (ops.calls, ops.filtered_calls) == (0, 2)
     assert torch.equal(fused, ref)
