@@ -1,8 +1,8 @@
 """The bf16 GEMM that decodes GGUF weight panels in place (``kernels/csrc/
 gguf_gemm_bf16_cpu.c``, taken by bf16 activations of 2+ rows): every block type, random
 blocks with negative and subnormal fp16 scales, row counts that leave every remainder of
-its 6-row and 4-column register tiles and of its 32-row panels, fresh data per case,
-poisoned outputs."""
+its register tiles (dot form below 32 x rows: 6 rows x 4 columns; outer form from 32: 12
+rows x 32 columns) and of its 32-row panels, fresh data per case, poisoned outputs."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ NAMES = [f.name for f in BLOCK_FORMATS.values()]
 pytestmark = pytest.mark.skipif(not cpu_gguf.bf16_gemm(),
                                 reason="no AVX512-BF16 GEMM in this CPU's native build")
 
-# 37 weight rows: one full 32-row panel, then 5 (a 4-column tile and a 1-column one).
-N = 37
+# 53 weight rows: one full 32-row panel, then 21 (five 4-column tiles and a 1-column one
+# in the dot form; 16 + 5 masked columns in the outer form).
+N = 53
 
 
 def _case(name: str, m: int, tag: str):
@@ -48,7 +49,7 @@ def _bound(x: torch.Tensor, w16: torch.Tensor, out_rounding: float) -> tuple:
     return want, bound
 
 
-@pytest.mark.parametrize("m", [2, 5, 7, 13])
+@pytest.mark.parametrize("m", [2, 5, 7, 13, 32, 37, 47, 50])
 @pytest.mark.parametrize("name", NAMES)
 def test_gemm_fp32_out_matches_the_bf16_weights_product(name: str, m: int):
     """The C entry point, fp32 out: within fp32 summation error of x @ W16.T, where W16
