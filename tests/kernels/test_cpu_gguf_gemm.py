@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(not cpu_gguf.bf16_gemm(),
 N = 53
 
 
-def _case(name: str, m: int, tag: str):
+def _case(name: str, m: int, tag: str, n: int = N):
     fmt = BLOCK_FORMATS[GQ[name].value]
-    rng = rng_for("cpu-gemm", tag, name, m)
+    rng = rng_for("cpu-gemm", tag, name, m, n)
     k = ragged_k(fmt)
-    raw = make_blocks(fmt, N, k, rng)
+    raw = make_blocks(fmt, n, k, rng)
     # x rows ldx = k + 32 apart: a view of a wider buffer, as a fused projection's part.
     wide = torch.from_numpy(rng.standard_normal((m, k + 32)).astype(np.float32))
     x = wide.to(torch.bfloat16)[:, 32:]
@@ -49,23 +49,25 @@ def _bound(x: torch.Tensor, w16: torch.Tensor, out_rounding: float) -> tuple:
     return want, bound
 
 
-@pytest.mark.parametrize("m", [2, 5, 7, 13, 32, 37, 47, 50])
+@pytest.mark.parametrize("m, n", [(2, N), (5, N), (7, N), (13, N), (32, N), (37, N),
+                                  (47, N), (50, N), (40, 63), (3, 63)])
 @pytest.mark.parametrize("name", NAMES)
-def test_gemm_fp32_out_matches_the_bf16_weights_product(name: str, m: int):
+def test_gemm_fp32_out_matches_the_bf16_weights_product(name: str, m: int, n: int):
     """The C entry point, fp32 out: within fp32 summation error of x @ W16.T, where W16
-    is the weight rounded to bf16 once (the rounding the tile path makes too)."""
-    fmt, raw, x, w16 = _case(name, m, "fp32")
-    out = torch.full((m, N + 3), float("nan"))  # rows ldo = N + 3 apart, the tail unwritten
+    is the weight rounded to bf16 once (the rounding the tile path makes too). n = 63:
+    a last panel of 31 rows, one short of full."""
+    fmt, raw, x, w16 = _case(name, m, "fp32", n)
+    out = torch.full((m, n + 3), float("nan"))  # rows ldo = n + 3 apart, the tail unwritten
     blocks = torch.from_numpy(raw)
     rc = native_library().gguf_gemm_bf16_cpu(
-        x.data_ptr(), m, x.shape[1], x.stride(0), blocks.data_ptr(), N, blocks.stride(0),
+        x.data_ptr(), m, x.shape[1], x.stride(0), blocks.data_ptr(), n, blocks.stride(0),
         fmt.type_id, out.data_ptr(), out.stride(0), 0, torch.get_num_threads())
     assert rc == 0
     want, bound = _bound(x, w16, 0.0)
-    got = out[:, :N].double()
+    got = out[:, :n].double()
     assert not bool(torch.isnan(got).any())
     assert bool(((got - want).abs() <= bound).all())
-    assert bool(torch.isnan(out[:, N:]).all())  # nothing written past N
+    assert bool(torch.isnan(out[:, n:]).all())  # nothing written past n
 
 
 @pytest.mark.parametrize("m", [3, 4, 6, 40])
