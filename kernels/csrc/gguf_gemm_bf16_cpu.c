@@ -7,7 +7,7 @@
  * large weight (a 49152-row head: 56 MB) leaves the caches before the BLAS reads it back.
  * Here each thread decodes PANEL weight rows into a bf16 panel that stays in L1/L2, then
  * multiplies every x row against it (vdpbf16ps: 32 bf16 products summed into 16 fp32
- * lanes per instruction): from OUTER_MIN_M rows as outer products over a pair-interleaved
+ * lanes per instruction): from OUTER_MIN_M (8) rows as outer products over a pair-interleaved
  * panel (vnni_times_x), below that as dot products (panel_times_x). A weight is read as
  * stored, 4-8 bits, once per call.
  *
@@ -159,9 +159,11 @@ static void panel_times_x(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
  * themselves: no horizontal sums per call, which in the dot-product form above cost a
  * third of the work at K = 576 (18 steps per 4 x 6 sums). */
 #define OR 12 /* x rows per outer micro-kernel: 12 x 2 accumulators + 2 weight vectors */
-/* Below this many x rows the interleave costs more than the horizontal sums it saves
- * (measured at SmolLM2's shapes: 16 rows mixed, 64 rows 1.0-1.5x faster outer). */
-#define OUTER_MIN_M 32
+/* Below this many x rows the interleave costs more than the horizontal sums it saves.
+ * Measured at SmolLM2's five shapes against oneDNN's packed bf16 in the same run: from 8
+ * rows the outer form's ratio is lower than the dot form's (8 rows: 0.85-2.1x vs
+ * 1.5-2.2x; 64 rows: 1.0-1.3x vs 1.2-1.6x). */
+#define OUTER_MIN_M 8
 
 /* `rows` (<= PANEL) decoded row-major bf16 rows of `k` (ldp apart; k a multiple of 32,
  * so the pairs are whole 16s) into `vnni` [k / 2][PANEL][2], zero for rows past `rows`:

@@ -1,7 +1,7 @@
 """The bf16 GEMM that decodes GGUF weight panels in place (``kernels/csrc/
 gguf_gemm_bf16_cpu.c``, taken by bf16 activations of 2+ rows): every block type, random
 blocks with negative and subnormal fp16 scales, row counts that leave every remainder of
-its register tiles (dot form below 32 x rows: 6 rows x 4 columns; outer form from 32: 12
+its register tiles (dot form below 8 x rows: 6 rows x 4 columns; outer form from 8: 12
 rows x 32 columns) and of its 32-row panels, fresh data per case, poisoned outputs."""
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _bound(x: torch.Tensor, w16: torch.Tensor, out_rounding: float) -> tuple:
     return want, bound
 
 
-@pytest.mark.parametrize("m, n", [(2, N), (5, N), (7, N), (13, N), (32, N), (37, N),
-                                  (47, N), (50, N), (40, 63), (3, 63)])
+@pytest.mark.parametrize("m, n", [(2, N), (5, N), (7, N), (8, N), (13, N), (32, N),
+                                  (37, N), (47, N), (50, N), (40, 63), (3, 63)])
 @pytest.mark.parametrize("name", NAMES)
 def test_gemm_fp32_out_matches_the_bf16_weights_product(name: str, m: int, n: int):
     """The C entry point, fp32 out: within fp32 summation error of x @ W16.T, where W16
