@@ -199,9 +199,10 @@ static int64_t select_mass(cand_t *c, int64_t n, double bound) {
 /* Tokens with buf >= c into cand (with exp16(v - m), which is within 1.2e-7 of expf and
  * exact where the probability is a power of two, as torch's float32 softmax: a top-p
  * cut exactly on such a partial sum falls where the reference's does); returns their
- * count, and in *rest the mass of the others (summed per 16 into a double). */
-static int64_t collect(const float *buf, int64_t vocab, float c, float m, cand_t *cand,
-                       double *rest) {
+ * count, and in *rest the mass of the others (summed per 16 into a double) when
+ * want_rest (top-p without top-k: its cut depends on that mass). */
+static int64_t collect(const float *buf, int64_t vocab, float c, float m, int want_rest,
+                       cand_t *cand, double *rest) {
     const int64_t full = vocab & ~(int64_t)15;
     const v16f cv = (v16f){0} + c;
     int64_t n = 0;
@@ -210,12 +211,14 @@ static int64_t collect(const float *buf, int64_t vocab, float c, float m, cand_t
         v16f v;
         memcpy(&v, buf + j, sizeof v);
         const v16i ge = v >= cv;
+        const int any = any16(ge);
+        if (!any && !want_rest) continue; /* top-k alone: no exp for blocks left out */
         const v16f e = exp16(v - m);
-        if (any16(ge)) {
+        if (any) {
             for (int l = 0; l < 16; l++)
                 if (ge[l]) cand[n++] = (cand_t){v[l], e[l], j + l};
         }
-        r += hsum16(vsel16(ge, (v16f){0}, e));
+        if (want_rest) r += hsum16(vsel16(ge, (v16f){0}, e));
     }
     for (int64_t j = full; j < vocab; j++) {
         v16f v = (v16f){0} + buf[j];
@@ -226,6 +229,22 @@ static int64_t collect(const float *buf, int64_t vocab, float c, float m, cand_t
             r += e;
     }
     *rest = r;
+    return n;
+}
+
+/* How many of buf are >= c (vector compares only: a cheap pass to size a collection). */
+static int64_t count_ge(const float *buf, int64_t vocab, float c) {
+    const int64_t full = vocab & ~(int64_t)15;
+    const v16f cv = (v16f){0} + c;
+    v16i acc = (v16i){0};
+    for (int64_t j = 0; j < full; j += 16) {
+        v16f v;
+        memcpy(&v, buf + j, sizeof v);
+        acc -= (v16i)(v >= cv); /* true lanes are -1 */
+    }
+    int64_t n = 0;
+    for (int l = 0; l < 16; l++) n += acc[l];
+    for (int64_t j = full; j < vocab; j++) n += buf[j] >= c;
     return n;
 }
 
@@ -242,12 +261,16 @@ static int64_t draw_filtered(float *buf, int64_t vocab, float m, int64_t k, floa
     const float floor_c = do_min && !do_p
         ? m + log_min - (fabsf(m) + fabsf(log_min)) * 1e-6f - 1e-30f : -INFINITY;
     float dist = 8.0f;
+    if (do_k) { /* the smallest doubling that holds k tokens: ~k collected, not thousands */
+        dist = 0.25f;
+        while (dist < 1e30f && count_ge(buf, vocab, m - dist) < k) dist *= 2.0f;
+    }
     int64_t n = 0;
     double rest = 0.0;
     for (;;) {
         float c = m - dist;
         if (!(c > floor_c) || dist > 1e30f || !(do_k || do_p)) c = floor_c;
-        n = collect(buf, vocab, c, m, cand, &rest);
+        n = collect(buf, vocab, c, m, do_p && !do_k, cand, &rest);
         if (c == floor_c) break;
         if (do_k) {
             if (n >= k) break; /* every token top-k keeps (ties included) is in */
