@@ -4,8 +4,8 @@
  * deepinfer_kernels.reference.sample_tokens_filtered's; built with the other C kernels by
  * kernels/cpu_native.py.
  *
- * Why: in torch, top-p is a sort of the whole vocabulary per row (256 x 49k: ~1.8 s a
- * step on 2 cores, several times the model's own decode step), and even plain
+ * Why: in torch, top-p is a sort of the whole vocabulary per row (256 x 49k: ~0.7 s a
+ * step on 2 cores, more than the default model's own decode step), and even plain
  * temperature sampling is six passes with [N, V] temporaries. Here a row is read once
  * into a thread's buffer (scaled, with its maximum), then:
  *  - no filter: exp into the buffer with per-16 sums, then a scan for the first token
