@@ -77,7 +77,7 @@ class ModelRunner:
         self.block_size = spec.block_size
         # Per-slot state first: KV sizing must see it as memory already taken.
         # The Triton draw on a GPU; on a CPU the C one whatever the model's backend (the
-        # Triton interpreter is 50x slower than torch, torch's top-p 100x slower than C).
+        # Triton interpreter is 50x slower than torch, torch's top-p 20-90x slower than C).
         self.sampler = Sampler(backend if device.type == "cuda" else cpu_backend,
                                None if seed is None
                                else torch.Generator(device).manual_seed(seed % (1 << 63)))
