@@ -17,7 +17,7 @@
  *    on mass (no full sort: a flat row's nucleus can be most of the vocabulary), min-p
  *    a threshold; the kept tokens are drawn in id order, sorted when few, scattered into
  *    a zeroed row when many. Sums run in double over the vector exp's probabilities.
- * A row whose maximum is -inf or NaN gets id 0 (as the reference's fallback argmax). */
+ * NaN logits are never drawn; a row with no finite logit gets id 0. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,29 +51,29 @@ static inline int any16(v16i m) {
     return r != 0;
 }
 
-/* buf = x / t (fp32 division, as torch's), returns the maximum (NaN if any is NaN). */
+/* buf = x / t (fp32 division, as torch's) with NaN as -inf (a NaN logit is never drawn,
+ * as in the Triton kernel); returns the maximum. */
 static float scale_row(const float *x, int64_t vocab, float t, float *buf) {
     const int64_t full = vocab & ~(int64_t)15;
-    v16f vm = (v16f){0} - INFINITY;
-    v16i nan = (v16i){0};
+    const v16f ninf = (v16f){0} - INFINITY;
+    v16f vm = ninf;
     for (int64_t j = 0; j < full; j += 16) {
         v16f v;
         memcpy(&v, x + j, sizeof v);
         v = v / t;
+        v = vsel16(v != v, ninf, v);
         memcpy(buf + j, &v, sizeof v);
-        nan |= v != v;
         vm = vsel16(v > vm, v, vm);
     }
     float m = -INFINITY;
-    int isnan_ = any16(nan);
     for (int l = 0; l < 16; l++) m = vm[l] > m ? vm[l] : m;
     for (int64_t j = full; j < vocab; j++) {
         float v = x[j] / t;
+        v = v != v ? -INFINITY : v;
         buf[j] = v;
-        if (v != v) isnan_ = 1;
         m = v > m ? v : m;
     }
-    return isnan_ ? NAN : m;
+    return m;
 }
 
 /* The draw over e[0..vocab) (unnormalised probabilities, 0 = not drawable): the first
@@ -344,7 +344,7 @@ int64_t sample_tokens_cpu(const float *logits, int64_t ld, int64_t n, int64_t vo
         for (int64_t r = 0; r < n; r++) {
             if (!ok) continue;
             const float m = scale_row(logits + r * ld, vocab, temps[r], buf);
-            if (!(m > -INFINITY) || m != m) {
+            if (!(m > -INFINITY)) { /* nothing drawable */
                 out[r] = 0;
                 continue;
             }

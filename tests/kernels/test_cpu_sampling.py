@@ -231,7 +231,8 @@ def test_banned_tokens_are_never_drawn(name):
 
 def test_one_finite_token_and_degenerate_rows():
     """One finite logit is drawn whatever u (at the start, middle, end of a ragged row);
-    a row with no finite logit, or with a NaN, gets an id in range (id 0)."""
+    NaN logits are never drawn (as in the Triton kernel), whatever u; a row with no
+    finite logit gets id 0."""
     vocab = 1001
     for pos in (0, 500, 1000):
         logits = torch.full((3, vocab), NEG_INF)
@@ -242,11 +243,23 @@ def test_one_finite_token_and_degenerate_rows():
         got = cpu_sampling.sample_tokens_filtered(logits, t, u, top_p=torch.full((3,), .5),
                                                   min_p=torch.full((3,), 0.1))
         assert got.tolist() == [pos] * 3
-    logits = torch.randn(2, vocab)
-    logits[0] = NEG_INF
-    logits[1, 3] = float("nan")
-    for got in (cpu_sampling.sample_tokens(logits, torch.ones(2), torch.full((2,), .5)),
-                cpu_sampling.sample_tokens_filtered(logits, torch.ones(2),
+    g = generator(seed_for("cpu_sample_nan"))
+    n = 64
+    logits = torch.randn(n, vocab, generator=g) * 3
+    nan = torch.rand(n, vocab, generator=g) < 0.3
+    nan[:, 7] = False
+    logits[nan] = float("nan")
+    logits[:, 3] = float("nan")  # a NaN where the maximum would be
+    u = (torch.arange(n, dtype=torch.float64) + 0.5).div(n).float()
+    for f in ({}, {"top_p": torch.full((n,), 0.9)}, {"top_k": torch.full((n,), 20)}):
+        got = cpu_sampling.sample_tokens_filtered(logits, torch.ones(n), u, **f)
+        assert not nan.gather(1, got.unsqueeze(1)).any() and not (got == 3).any()
+        clean = logits.masked_fill(logits.isnan(), NEG_INF)
+        check(clean, {"temperatures": torch.ones(n), "uniforms": u}, got, f)
+    empty = torch.full((2, vocab), NEG_INF)
+    empty[1] = float("nan")
+    for got in (cpu_sampling.sample_tokens(empty, torch.ones(2), torch.full((2,), .5)),
+                cpu_sampling.sample_tokens_filtered(empty, torch.ones(2),
                                                     torch.full((2,), .5),
                                                     top_k=torch.full((2,), 5))):
         assert got.tolist() == [0, 0]
