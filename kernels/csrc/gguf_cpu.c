@@ -115,8 +115,13 @@ static inline void decode_q8_0(const uint8_t *b, float *w) {
  * weights instead of an int -> float conversion and an FMA each. */
 static const v16f IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+/* A Q4_0 / Q4_1 block's 16 possible weights (one expression each, shared by every path
+ * that decodes them, so they round alike). */
+static inline v16f q4_0_table(const uint8_t *b) { return (IOTA - 8.0f) * half(b); }
+static inline v16f q4_1_table(const uint8_t *b) { return IOTA * half(b) + half(b + 2); }
+
 static inline void decode_q4_0(const uint8_t *b, float *w) {
-    v16f table = (IOTA - 8.0f) * half(b);
+    v16f table = q4_0_table(b);
     v16i lo, hi;
     nibbles(b + 2, &lo, &hi);
     put(w, __builtin_shuffle(table, lo));
@@ -124,7 +129,7 @@ static inline void decode_q4_0(const uint8_t *b, float *w) {
 }
 
 static inline void decode_q4_1(const uint8_t *b, float *w) {
-    v16f table = IOTA * half(b) + half(b + 2);
+    v16f table = q4_1_table(b);
     v16i lo, hi;
     nibbles(b + 4, &lo, &hi);
     put(w, __builtin_shuffle(table, lo));
@@ -425,6 +430,33 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
     return failed ? NO_MEMORY : 0;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* Q4_0 / Q4_1 rows straight to bf16: the block's table rounded to bf16 once (the same
+ * bits as rounding each decoded weight), then one 32-lane word permute picks its 32
+ * weights by their nibbles and one store writes them: no fp32 row in between. */
+static void q4_rows_bf16(const uint8_t *w, int64_t n, int64_t nb, int64_t ldw, int q4_1,
+                         uint16_t *out, int64_t ldo) {
+    const int64_t bb = q4_1 ? 20 : 18, codes = q4_1 ? 4 : 2;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = w + j * ldw;
+        uint16_t *dst = out + j * ldo;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            v16f t = q4_1 ? q4_1_table(blk) : q4_0_table(blk);
+            __m512 tf;
+            memcpy(&tf, &t, sizeof tf);
+            __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(tf));
+            __m128i q = _mm_loadu_si128((const __m128i *)(blk + codes));
+            __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),
+                                            _mm_and_si128(q, low));
+            __m512i wv = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
+            _mm512_storeu_si512(dst + b * 32, wv);
+        }
+    }
+}
+#endif
+
 /* Rows of w decoded into bfloat16 rows of out (`ldo` elements apart), on the calling
  * thread; `row` is a 64-byte aligned buffer of k floats. The fused bf16 GEMM
  * (gguf_gemm_bf16_cpu.c) decodes its weight panels with it. */
@@ -433,6 +465,12 @@ int64_t gguf_decode_rows_bf16(const uint8_t *w, int64_t n, int64_t k, int64_t ld
     int64_t rc;
     const format *f = check(qtype, k, &rc);
     if (!f) return rc;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (qtype == 2 || qtype == 3) {
+        q4_rows_bf16(w, n, k / 32, ldw, qtype == 3, out, ldo);
+        return 0;
+    }
+#endif
     for (int64_t j = 0; j < n; j++) {
         decode_row(qtype, w + j * ldw, k / f->block_weights, row);
         uint16_t *dst = out + j * ldo;
