@@ -9,6 +9,8 @@ sizes are host bounds from shapes, and blocks past the device-side padded total 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deepinfer_kernels.moe_align import align_launches, moe_align_size
@@ -50,22 +52,54 @@ def fused_moe_gemm(
     return out
 
 
-def moe_layer_buffers(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                      inter: int, target: Target
-                      ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a MoE layer call's launches share, allocated on x's device (``[T, H]``):
-    ``(block_m, sorted_ids, block_expert, num_padded, act)``, the alignment's outputs
-    sized by host bounds from shapes, and the ``[T * k, inter]`` SiLU-and-mul output in
-    x's dtype."""
+#: A grouped GEMM's launches with the layer's weight ``0`` (w13) or ``1`` (w2): ``gemm(a,
+#: weight, sorted_ids, block_expert, num_padded, topk_weights, out, top_k,
+#: mul_routed_weight, gated)``, the arguments of ``moe_gemm_launches`` after its weight.
+GemmLaunches = Callable[..., list[Launch]]
+
+
+def moe_layer_launches(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       out: torch.Tensor, num_experts: int, inter: int, gemm: GemmLaunches,
+                       target: Target) -> list[Launch]:
+    """A MoE layer's plan on any grouped GEMM (float or GGUF experts): one alignment of the
+    ``[T, k]`` pairs by expert, gate+up with SiLU-and-mul in its epilogue into a ``[T * k,
+    inter]`` buffer, then down with the routing weight into ``out`` (``[T * k, H]``, per
+    pair). The alignment's outputs are sized by host bounds from shapes and allocated on
+    x's device (meta tensors plan without a GPU)."""
     num_tokens, top_k = topk_ids.shape
     block_m = moe_block_m(num_tokens, top_k, num_experts, target)
     size = moe_align_size(num_tokens * top_k, num_experts, block_m)
     device = x.device
-    return (block_m,
-            torch.empty((size,), dtype=torch.int32, device=device),
-            torch.empty((size // block_m,), dtype=torch.int32, device=device),
-            torch.empty((1,), dtype=torch.int32, device=device),
-            torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=device))
+    sorted_ids = torch.empty((size,), dtype=torch.int32, device=device)
+    block_expert = torch.empty((size // block_m,), dtype=torch.int32, device=device)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    act = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=device)
+    return (
+        align_launches(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded,
+                       target)
+        + gemm(x, 0, sorted_ids, block_expert, num_padded, None, act, top_k, False, True)
+        + gemm(act, 1, sorted_ids, block_expert, num_padded, topk_weights, out, top_k, True,
+               False)
+    )
+
+
+def run_moe_layer(x: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None,
+                  launches: Callable[[torch.Tensor, torch.Tensor], list[Launch]]
+                  ) -> torch.Tensor:
+    """Runs ``launches(topk_ids, per_pair)`` (a layer's plan into a ``[T * k, H]``
+    per-pair buffer) and sums over the k choices into ``out`` (``[T, H]``, made when
+    None), for validated arguments. No launch for zero tokens."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    per_pair = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    run_launches(launches(topk_ids.contiguous(), per_pair))
+    # Sum over the k choices (fp32 accumulation inside torch's reduction).
+    torch.sum(per_pair.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return out
 
 
 def fused_moe_launches(
@@ -81,18 +115,10 @@ def fused_moe_launches(
     down), for validated non-empty arguments. Pure: shapes, dtypes and ``target``; the
     buffers are allocated on x's device (meta tensors plan without a GPU). ``out`` here
     is the per-pair ``[T * top_k, H]`` buffer."""
-    top_k = topk_ids.shape[1]
-    num_experts = w2.shape[0]
-    block_m, sorted_ids, block_expert, num_padded, act = moe_layer_buffers(
-        x, topk_ids, num_experts, w2.shape[2], target)
-    return (
-        align_launches(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded,
-                       target)
-        + moe_gemm_launches(x, w13, sorted_ids, block_expert, num_padded, None, act, top_k,
-                            False, True, target)
-        + moe_gemm_launches(act, w2, sorted_ids, block_expert, num_padded, topk_weights, out,
-                            top_k, True, False, target)
-    )
+    weights = (w13, w2)
+    return moe_layer_launches(
+        x, topk_weights, topk_ids, out, w2.shape[0], w2.shape[2],
+        lambda a, i, *rest: moe_gemm_launches(a, weights[i], *rest, target), target)
 
 
 def fused_moe(
@@ -115,15 +141,6 @@ def fused_moe(
     then undefined (the reference raises).
     """
     check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, out)
-    num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    if out is None:
-        out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
-    per_pair = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    run_launches(fused_moe_launches(x, w13, w2, topk_weights, topk_ids.contiguous(),
-                                    per_pair, Target.of(x.device)))
-    # Sum over the k choices (fp32 accumulation inside torch's reduction).
-    torch.sum(per_pair.view(num_tokens, top_k, hidden), dim=1, out=out)
-    return out
+    target = Target.of(x.device)
+    return run_moe_layer(x, topk_ids, out, lambda ids, per_pair: fused_moe_launches(
+        x, w13, w2, topk_weights, ids, per_pair, target))

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.fused_moe import moe_layer_buffers
+from deepinfer_kernels.fused_moe import moe_layer_launches, run_moe_layer
 from deepinfer_kernels.gguf_blocks import BlockFormat
-from deepinfer_kernels.moe_align import align_launches
 from deepinfer_kernels.moe_gguf_gemm import moe_gguf_gemm_launches
-from deepinfer_kernels.runtime import Launch, Target, run_launches
+from deepinfer_kernels.runtime import Launch, Target
 from deepinfer_kernels.validation import check_fused_moe_gguf_args
 
 
@@ -31,18 +30,11 @@ def fused_moe_gguf_launches(
     non-empty arguments (pure: shapes, dtypes and ``target``; buffers are allocated on
     x's device, so meta tensors plan without a GPU). ``out``: the per-pair
     ``[T * top_k, H]`` buffer."""
-    top_k = topk_ids.shape[1]
-    num_experts = w2.shape[0]
-    block_m, sorted_ids, block_expert, num_padded, act = moe_layer_buffers(
-        x, topk_ids, num_experts, w13.shape[1] // 2, target)
-    return (
-        align_launches(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded,
-                       target)
-        + moe_gguf_gemm_launches(x, w13, fmt13, sorted_ids, block_expert, num_padded, None,
-                                 act, top_k, False, True, target)
-        + moe_gguf_gemm_launches(act, w2, fmt2, sorted_ids, block_expert, num_padded,
-                                 topk_weights, out, top_k, True, False, target)
-    )
+    weights, formats = (w13, w2), (fmt13, fmt2)
+    return moe_layer_launches(
+        x, topk_weights, topk_ids, out, w2.shape[0], w13.shape[1] // 2,
+        lambda a, i, *rest: moe_gguf_gemm_launches(a, weights[i], formats[i], *rest, target),
+        target)
 
 
 def fused_moe_gguf(
@@ -69,15 +61,6 @@ def fused_moe_gguf(
     """
     fmt13, fmt2 = check_fused_moe_gguf_args(x, w13, w2, qtype13, qtype2, topk_weights,
                                             topk_ids, out)
-    num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    if out is None:
-        out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
-    per_pair = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    run_launches(fused_moe_gguf_launches(x, w13, w2, fmt13, fmt2, topk_weights,
-                                         topk_ids.contiguous(), per_pair,
-                                         Target.of(x.device)))
-    torch.sum(per_pair.view(num_tokens, top_k, hidden), dim=1, out=out)
-    return out
+    target = Target.of(x.device)
+    return run_moe_layer(x, topk_ids, out, lambda ids, per_pair: fused_moe_gguf_launches(
+        x, w13, w2, fmt13, fmt2, topk_weights, ids, per_pair, target))
