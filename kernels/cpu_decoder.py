@@ -10,8 +10,11 @@ same order and with the same roundings, so both give the same bits.
 
 Bound once per model (``bind_decoder_stack``: every check of the weights and shapes), the
 returned function checks only what a step can change and returns None for a step it does
-not take (a prompt step is never passed to it; ``LARGE_M`` or more sequences, where the
-per-layer path dequantizes tiles for torch's BLAS; an unusual cache or table layout).
+not take (a prompt step is never passed to it; more sequences than ``_max_rows`` allows,
+where the per-layer path would call a kernel the C step cannot (oneDNN, or torch's BLAS
+on dequantized tiles); an unusual cache or table layout). With bf16 activations on a CPU
+with AVX512-BF16 that is every decode step of a model held as GGUF blocks: at 4-16
+sequences the ~12 per-op calls a layer cost as much again as the products.
 A kernel that refuses an input (a position outside the RoPE cache, a slot past the cache,
 a block table too short) also returns None: the layer-by-layer rerun names it.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels import cpu_native
-from deepinfer_kernels.cpu_dense import dense_gemm_usable
-from deepinfer_kernels.cpu_gguf import LARGE_M, kernel_types
+from deepinfer_kernels.cpu_dense import PACKED_MIN_M, dense_gemm_usable
+from deepinfer_kernels.cpu_gguf import INT8_MAX_M, LARGE_M, bf16_gemm, kernel_types
 from deepinfer_kernels.decoder_spec import (
     BF16_TYPE,
     BlockWeight,
@@ -39,7 +42,7 @@ _ACTIVATIONS = (torch.float32, torch.bfloat16)
 # decoder_cpu.c's enums (checked against the library): a projection is up to _MAX_PARTS
 # parts of (pointer, row stride, type, rows).
 _MAX_PARTS, _PART_FIELDS = 3, 4
-_MODEL_FIELDS, _LAYER_FIELDS = 9, 4 + 4 * _MAX_PARTS * _PART_FIELDS
+_MODEL_FIELDS, _LAYER_FIELDS = 10, 4 + 4 * _MAX_PARTS * _PART_FIELDS
 
 
 def _vector_ok(w: torch.Tensor | None, size: int, dtype: torch.dtype) -> bool:
@@ -134,9 +137,24 @@ def _describe(spec: DecoderStackSpec) -> tuple[torch.Tensor, torch.Tensor] | Non
         rows.append([layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
                      *norms, *(f for w in weights for f in w)])
     model = [h, spec.num_heads, spec.num_kv_heads, d, inter, int(dtype == torch.bfloat16),
-             spec.final_norm.data_ptr(), cs.data_ptr(), cs.shape[0]]
+             spec.final_norm.data_ptr(), cs.data_ptr(), cs.shape[0], INT8_MAX_M]
     return (torch.tensor(model, dtype=torch.int64),
             torch.tensor(rows, dtype=torch.int64).reshape(len(rows), _LAYER_FIELDS))
+
+
+def _max_rows(spec: DecoderStackSpec) -> int:
+    """The most sequences a fused step takes: those whose every product has a kernel the
+    C step can call, the one the per-layer path picks at that many rows. With bf16
+    activations and the bf16 GEMM, any number (the GEMM from ``INT8_MAX_M + 1`` rows),
+    except that a dense bf16 weight leaves the kernel for oneDNN's packed copy from
+    ``PACKED_MIN_M`` rows; otherwise the per-layer path dequantizes tiles for torch's
+    BLAS from ``LARGE_M``."""
+    if spec.final_norm.dtype != torch.bfloat16 or not bf16_gemm():
+        return LARGE_M - 1
+    dense = any(part.qtype == BF16_TYPE for layer in spec.layers
+                for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                for part in projection_parts(w))
+    return PACKED_MIN_M - 1 if dense else 1 << 30
 
 
 def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
@@ -157,6 +175,7 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
         return None
     model, layers = described
     num_layers, h, dtype = len(spec.layers), spec.hidden_size, spec.final_norm.dtype
+    max_rows = _max_rows(spec)
     hkv, d = spec.num_kv_heads, spec.head_dim
     eps, scale = float(spec.eps), float(spec.scale)
     int32, int64 = torch.int32, torch.int64
@@ -167,7 +186,7 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
             seq_lens: torch.Tensor) -> torch.Tensor | None:
         t = x.shape[0]
         # Plain comparisons: this runs once a step.
-        if (not 0 < t < LARGE_M or x.dtype != dtype or not x.is_cpu or x.dim() != 2
+        if (not 0 < t <= max_rows or x.dtype != dtype or not x.is_cpu or x.dim() != 2
                 or x.shape[1] != h or not x.is_contiguous()
                 or kv_cache.dtype != dtype or not kv_cache.is_cpu or kv_cache.dim() != 6
                 or kv_cache.shape[0] != num_layers or kv_cache.shape[1] != 2

@@ -41,7 +41,7 @@ from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_args, fail
 from deepinfer_kernels.workspace import scratch
 
-__all__ = ["LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul", "dequantize_gguf",
+__all__ = ["INT8_MAX_M", "LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul", "dequantize_gguf",
            "gguf_matmul", "int8_types", "kernel_types"]
 
 #: Activation rows from which the matmul stops reading the weights row by row: the bf16
@@ -50,6 +50,12 @@ __all__ = ["LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul", "dequantize_
 #: throughput of dequantize-at-load, 16 about 0.9x, 4 about parity; one row
 #: (single-stream decode) is where the blocks win, 3x.
 LARGE_M = 4
+#: With AVX512-BF16, the most bf16 rows that the types with the int8 kernel keep it for;
+#: from one more the bf16 GEMM takes them (``_uses_gemm``; ``decoder_cpu.c`` is handed
+#: the same number, so the fused decode step picks the same kernels). Below ``LARGE_M``.
+#: Measured on the default model's decode steps (2 cores, fused step, A/B in one
+#: process): at 2 sequences the int8 kernel is 1.1-1.35x faster, at 3 the GEMM by ~4%.
+INT8_MAX_M = 2
 _DIRECT = (torch.float32, torch.bfloat16)  # x and out dtypes the C kernel reads and writes
 _ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
            3: "out of memory for a row buffer", 4: "no bf16 GEMM in this build"}
@@ -125,13 +131,13 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: int,
 
 def _uses_gemm(m: int, dtype: torch.dtype, qtype: int) -> bool:
     """Whether ``m`` rows of ``dtype`` go to the bf16 GEMM: bf16 from 2 rows, except that
-    the types with the int8 path keep it below ``LARGE_M`` (measured, 2 cores: from 2
+    the types with the int8 path keep it up to ``INT8_MAX_M`` rows (measured, 2 cores: from 2
     rows the GEMM beats the exact kernel, which decodes every weight to fp32; the int8
-    kernel stays ahead of it up to 3 rows). ``decoder_cpu.c:product`` makes the same
+    kernel stays ahead of it at 2 rows). ``decoder_cpu.c:product`` makes the same
     choice, so the fused decode step gives the same bits."""
     if dtype != torch.bfloat16 or m < 2 or not bf16_gemm():
         return False
-    return m >= LARGE_M or qtype not in int8_types()
+    return m > INT8_MAX_M or qtype not in int8_types()
 
 
 def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,

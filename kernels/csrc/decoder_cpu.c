@@ -13,7 +13,9 @@
  * give the same bits; only the glue between them moved here.
  *
  *   model   [MODEL_FIELDS] int64: hidden, q heads, kv heads, head dim, intermediate,
- *           bf16 activations, final norm weight, cos/sin cache [max_pos, d], max_pos
+ *           bf16 activations, final norm weight, cos/sin cache [max_pos, d], max_pos,
+ *           the most rows the int8 kernel takes where the bf16 GEMM exists
+ *           (cpu_gguf.INT8_MAX_M)
  *   layers  [num_layers, LAYER_FIELDS] int64: the norms' pointers, then each projection's
  *           parts (the enums below)
  *   x       [t, hidden] the embeddings (activation dtype); out [t, hidden] the result
@@ -62,7 +64,7 @@ int64_t paged_decode_attention_cpu(
     int32_t tables_are_int64, int32_t num_threads);
 
 enum { M_HIDDEN, M_HQ, M_HKV, M_DIM, M_INTER, M_BF16, M_FINAL_NORM, M_COS_SIN, M_MAX_POS,
-       MODEL_FIELDS };
+       M_INT8_MAX_M, MODEL_FIELDS };
 /* A projection is up to MAX_PARTS parts, each (pointer, row stride, type, rows), stacked
  * along the output in order; unused parts have 0 rows. Parts differ in type where
  * llama.cpp's mixed presets store attn_v or ffn_up a type above the rest. */
@@ -80,23 +82,30 @@ int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
 #define P(v) ((void *)(intptr_t)(v))
 
-/* x [m, k] @ W.T -> out [m, n] with row stride ldo (m < LARGE_M), the kernel the
- * per-layer path picks (cpu_gguf.py:_uses_gemm): int8 activations for bf16 x where this
- * CPU and type have them, the bf16 GEMM for 2 or more bf16 rows of the other types, else
- * the exact one; a dense bf16 weight always takes the dense GEMM (cpu_dense.py, below
- * DENSE_MAX_M). */
+/* x [m, k] @ W.T -> out [m, n] with row stride ldo, the kernel the per-layer path picks
+ * (cpu_gguf.py:_uses_gemm): int8 activations for up to int8_max_m bf16 rows where this
+ * CPU and type have them (any number without the bf16 GEMM: the caller keeps m below
+ * LARGE_M there), the bf16 GEMM for 2 or more bf16 rows otherwise, else the exact one; a
+ * dense bf16 weight always takes the dense GEMM (cpu_dense.py: below PACKED_MIN_M rows,
+ * which the caller keeps to). */
+typedef struct {
+    int bf16, gemm, threads;           /* activations, the bf16 GEMM built, threads */
+    int64_t int8_mask, int8_max_m;     /* types with the int8 kernel, and its most rows */
+} kernel_choice;
+
 static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, int64_t n,
-                       void *out, int64_t ldo, int bf16, int64_t int8_mask, int threads) {
+                       void *out, int64_t ldo, const kernel_choice *c) {
     const uint8_t *blocks = P(w[0]);
     int64_t ldw = w[1];
     int32_t qtype = (int32_t)w[2];
+    const int bf16 = c->bf16, threads = c->threads;
     if (qtype == BF16_TYPE)
         return bf16 ? dense_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, out, ldo, 1, threads)
                     : BAD_TYPE;
-    if (bf16 && ((int8_mask >> qtype) & 1))
+    if (bf16 && ((c->int8_mask >> qtype) & 1) && (m <= c->int8_max_m || !c->gemm))
         return gguf_matmul_int8_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, ldo, bf16,
                                     threads);
-    if (bf16 && m >= 2 && gguf_gemm_bf16_available())
+    if (c->gemm && m >= 2)
         return gguf_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, qtype, out, ldo, 1, threads);
     return gguf_matmul_cpu(x, m, k, k, bf16, blocks, n, ldw, qtype, out, ldo, bf16, threads);
 }
@@ -104,14 +113,13 @@ static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, in
 /* A projection x [m, k] -> out [m, n]: each part's product into its columns, as the
  * per-layer path concatenates them (the same kernel per part, so the same bits). */
 static int64_t projection(const void *x, int64_t m, int64_t k, const int64_t *parts,
-                          int64_t n, void *out, int bf16, int64_t int8_mask, int threads) {
-    const size_t es = bf16 ? 2 : 4;
+                          int64_t n, void *out, const kernel_choice *c) {
+    const size_t es = c->bf16 ? 2 : 4;
     int64_t row = 0;
     for (int j = 0; j < MAX_PARTS; j++) {
         const int64_t *w = parts + j * PART_FIELDS;
         if (w[3] == 0) break;
-        int64_t rc = product(x, m, k, w, w[3], (char *)out + (size_t)row * es, n, bf16,
-                             int8_mask, threads);
+        int64_t rc = product(x, m, k, w, w[3], (char *)out + (size_t)row * es, n, c);
         if (rc) return rc;
         row += w[3];
     }
@@ -152,7 +160,8 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
     const int bf16 = (int)model[M_BF16];
     const size_t es = bf16 ? 2 : 4;
     const int64_t qs = hq * d, kvs = hkv * d, qkv_n = qs + 2 * kvs;
-    const int64_t int8_mask = bf16 ? gguf_int8_types() : 0;
+    const kernel_choice how = {bf16, bf16 && gguf_gemm_bf16_available() != 0, threads,
+                               bf16 ? gguf_int8_types() : 0, model[M_INT8_MAX_M]};
     /* Activation-dtype buffers (element counts), then the two fp32 ones of attention. */
     const int64_t n_res = t * h, n_cur = t * h, n_h = t * h, n_qkv = t * qkv_n,
                   n_qrot = t * qs, n_krot = t * kvs, n_attn = t * qs, n_gu = t * 2 * inter,
@@ -183,7 +192,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
         else
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_IN_NORM]), hb, h, t, h, eps, bf16,
                               threads);
-        if (!rc) rc = projection(hb, t, h, L + L_QKV, qkv_n, qkv, bf16, int8_mask, threads);
+        if (!rc) rc = projection(hb, t, h, L + L_QKV, qkv_n, qkv, &how);
         if (!rc)
             rc = rotary_qk_cpu(qkv, qkv_n, (char *)qkv + (size_t)qs * es, qkv_n, qrot, qs,
                                krot, kvs, t, hq, hkv, d, cos_sin, max_pos, positions,
@@ -198,14 +207,14 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
                                         table_stride, bf16, tables_i64, threads);
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) narrow(attn, e, attn_f[e], bf16);
-        rc = projection(attn, t, qs, L + L_O, h, cur, bf16, int8_mask, threads);
+        rc = projection(attn, t, qs, L + L_O, h, cur, &how);
         if (!rc)
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_POST_NORM]), hb, h, t, h, eps,
                               bf16, threads);
         if (!rc)
-            rc = projection(hb, t, h, L + L_GATE_UP, 2 * inter, gu, bf16, int8_mask, threads);
+            rc = projection(hb, t, h, L + L_GATE_UP, 2 * inter, gu, &how);
         if (!rc) rc = silu_and_mul_cpu(gu, 2 * inter, act, inter, t, inter, bf16, threads);
-        if (!rc) rc = projection(act, t, inter, L + L_DOWN, h, cur, bf16, int8_mask, threads);
+        if (!rc) rc = projection(act, t, inter, L + L_DOWN, h, cur, &how);
     }
     if (!rc && num_layers > 0)
         rc = rms_norm_cpu(cur, h, res, h, res, h, P(model[M_FINAL_NORM]), out, h, t, h, eps,

@@ -73,12 +73,12 @@ def test_gemm_fp32_out_matches_the_bf16_weights_product(name: str, m: int, n: in
 @pytest.mark.parametrize("m", [3, 4, 6, 40])
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_matmul_through_the_gemm(name: str, m: int):
-    """``gguf_matmul`` with bf16 x of 2+ rows (3 rows only for the types without the int8
-    path): the GEMM's bf16 output, one rounding to nearest of the fp32 result, into a
-    poisoned ``out``."""
+    """``gguf_matmul`` with bf16 x of 2+ rows (up to ``INT8_MAX_M`` rows only for the
+    types without the int8 path): the GEMM's bf16 output, one rounding to nearest of the
+    fp32 result, into a poisoned ``out``."""
     fmt, raw, x, w16 = _case(name, m, "bf16")
-    if m < cpu_gguf.LARGE_M and fmt.type_id in cpu_gguf.int8_types():
-        pytest.skip("below LARGE_M rows this type takes the int8 path")
+    if m <= cpu_gguf.INT8_MAX_M and fmt.type_id in cpu_gguf.int8_types():
+        pytest.skip("up to INT8_MAX_M rows this type takes the int8 path")
     out = torch.full((m, N), float("nan"), dtype=torch.bfloat16)
     y = cpu_gguf.gguf_matmul(x, torch.from_numpy(raw), fmt.type_id, out=out)
     assert y is out

@@ -1,8 +1,9 @@
 """The CPU backend's fused decode step (``bind_decoder_stack``: all decoder layers in one
 C call) against the same model run layer by layer through the same backend's per-op
 kernels: the same bits, in the logits and in the KV cache it writes, for fp32 and bf16
-activations and 1-3 sequences; and the steps and models it must leave to the per-layer
-path."""
+activations and 1-3 sequences (2: the int8 kernel's most rows), and with bf16 on the
+GEMM's row counts (5: the dot form, 13: the outer form and a remainder tile); and the
+steps and models it must leave to the per-layer path."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from deepinfer.loading.loader import load_model
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
+from deepinfer_kernels.cpu_dense import PACKED_MIN_M
 from deepinfer_kernels.decoder_spec import BF16_TYPE
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
@@ -35,8 +37,22 @@ def auto_model(request, smollm2_path):
     return model, cfg, getattr(torch, request.param)
 
 
+def _counting(taken: list[int]) -> SimpleNamespace:
+    """The CPU backend, its fused step wrapped to record the rows of each step it took."""
+    def bind(spec):
+        fn = cpu_backend.bind_decoder_stack(spec)
+
+        def run(x, *args):
+            out = fn(x, *args)
+            if out is not None:
+                taken.append(x.shape[0])
+            return out
+        return None if fn is None else run
+    return SimpleNamespace(**{**vars(LAYER_BY_LAYER), "bind_decoder_stack": bind})
+
+
 def _sim(cfg, dtype: torch.dtype) -> PagedSim:
-    sim = PagedSim(cfg, num_blocks=24, block_size=8, seed=1)
+    sim = PagedSim(cfg, num_blocks=40, block_size=8, seed=1)
     # Unwritten slots hold garbage (the same in every sim).
     sim.cache = torch.randn(sim.cache.shape, generator=torch.Generator().manual_seed(3)).to(
         dtype)
@@ -54,7 +70,7 @@ def _run(model, cfg, dtype, backend, prompts: dict[int, list[int]], steps: int):
     return torch.cat(logits), sim.cache
 
 
-@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("num_seqs", [1, 2, 3])
 def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
     model, cfg, dtype = auto_model
     assert model.decoder_stack.get(model, cpu_backend) is not None
@@ -69,19 +85,41 @@ def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
     assert torch.equal(fused_cache, plain_cache)
 
 
+@pytest.mark.skipif(not cpu_gguf.bf16_gemm(), reason="no AVX512-BF16: no bf16 GEMM")
+@pytest.mark.parametrize("num_seqs", [5, 13])
+def test_fused_step_takes_every_batch_the_bf16_gemm_serves(smollm2_path, num_seqs):
+    """bf16 activations from ``INT8_MAX_M + 1`` sequences: every product is the bf16 GEMM
+    in both paths (the dot form at 5 rows; the outer form at 13, a 12-row tile and a
+    1-row one), so the fused step takes each decode step, with the per-layer bits."""
+    model, cfg = load_model(smollm2_path, dtype="bfloat16", quantization="auto")
+    g = torch.Generator().manual_seed(num_seqs)
+    prompts = {s: torch.randint(3, cfg.vocab_size, (2 + s % 5,), generator=g).tolist()
+               for s in range(num_seqs)}
+    taken: list[int] = []
+    fused, fused_cache = _run(model, cfg, torch.bfloat16, _counting(taken), prompts, steps=3)
+    assert taken == [num_seqs] * 3
+    plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=3)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
 @pytest.mark.skipif(not cpu_gguf.bf16_gemm(), reason="no AVX512-BF16: dense weights unbound")
-@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("num_seqs", [1, 3, PACKED_MIN_M])
 def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_path, num_seqs):
     """Dequantized (``quantization="none"``) bf16 weights, read in place by the dense bf16
-    GEMM in both paths (``cpu_dense``): the same bits."""
+    GEMM in both paths (``cpu_dense``): the same bits. From ``PACKED_MIN_M`` sequences
+    the per-layer path takes oneDNN's packed copy, so the fused step declines."""
     model, cfg = load_model(smollm2_path, dtype="bfloat16", quantization="none")
     spec = decoder_stack_spec(model)
     assert spec is not None
     layer = spec.layers[0]
     assert {w.qtype for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {BF16_TYPE}
     assert model.decoder_stack.get(model, cpu_backend) is not None
-    prompts = {s: list(range(4 + s, 11 + 2 * s)) for s in range(num_seqs)}
-    fused, fused_cache = _run(model, cfg, torch.bfloat16, cpu_backend, prompts, steps=4)
+    prompts = {s: list(range(4 + s, 11 + s % 3)) for s in range(num_seqs)}
+    taken: list[int] = []
+    fused, fused_cache = _run(model, cfg, torch.bfloat16, _counting(taken), prompts, steps=4)
+    assert taken == ([num_seqs] * 4 if num_seqs < PACKED_MIN_M else [])
     plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=4)
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, plain)
@@ -91,7 +129,8 @@ def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_pat
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     """A tiny model of K-quant blocks (their sub-blocks through the int8 kernel where the
-    CPU has VNNI, else the exact one or, for 2-3 rows, the bf16 GEMM), bf16, 3 sequences:
+    CPU has VNNI up to ``INT8_MAX_M`` rows, else the exact one; the bf16 GEMM from
+    ``INT8_MAX_M + 1`` rows, or from 2 without VNNI), bf16, 3 sequences:
     the fused step and the per-layer path pick the same kernel per product, so the same
     bits."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
@@ -148,11 +187,13 @@ def test_fused_step_declines_what_it_does_not_take(auto_model):
     assert call(positions=torch.tensor([cfg.max_positions + 5])) is None
     assert call(slot_mapping=torch.tensor([10**9])) is None  # past the cache
     assert call(seq_lens=torch.tensor([10**4], dtype=torch.int32)) is None  # table too short
-    # LARGE_M rows and more: left to the per-layer path.
+    # LARGE_M rows and more: left to the per-layer path (its tiles for torch's BLAS),
+    # unless every product there is the bf16 GEMM.
     m = cpu_gguf.LARGE_M
-    assert call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
+    wide = call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
                 slot_mapping=torch.arange(m), block_tables=table.expand(m, -1),
-                seq_lens=torch.full((m,), 4, dtype=torch.int32)) is None
+                seq_lens=torch.full((m,), 4, dtype=torch.int32))
+    assert (wide is not None) == (dtype == torch.bfloat16 and cpu_gguf.bf16_gemm())
     assert call(seq_lens=torch.tensor([4], dtype=torch.int64)) is None
     # Through the model: the declined step reruns layer by layer, which names the token.
     meta = AttentionMetadata(False, good["slot_mapping"], table, good["seq_lens"],
