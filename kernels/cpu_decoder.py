@@ -26,8 +26,10 @@ import torch
 from deepinfer_kernels import cpu_native
 from deepinfer_kernels.cpu_dense import PACKED_MIN_M, dense_gemm_usable
 from deepinfer_kernels.cpu_gguf import INT8_MAX_M, LARGE_M, bf16_gemm, kernel_types
+from deepinfer_kernels.cpu_gguf_rows16 import rows16_usable
 from deepinfer_kernels.decoder_spec import (
     BF16_TYPE,
+    ROWS16_FLAG,
     BlockWeight,
     DecoderStackFn,
     DecoderStackSpec,
@@ -63,9 +65,20 @@ def _dense_fields(w: BlockWeight, n: int, k: int) -> list[int] | None:
 
 def _weight_fields(w: BlockWeight, n: int, k: int, types: frozenset[int]) -> list[int] | None:
     """``[pointer, row stride, type]`` of a ``[n, k]`` weight the C kernels take (the
-    stride in bytes for blocks, in elements for a dense bf16 weight)."""
+    stride in bytes for blocks, in elements for a dense bf16 weight; a row-group packed
+    weight keeps ``ROWS16_FLAG`` in its type)."""
     if w.qtype == BF16_TYPE:
         return _dense_fields(w, n, k)
+    if w.qtype & ROWS16_FLAG:
+        qtype = w.qtype & ~ROWS16_FLAG
+        if not rows16_usable(w.blocks, qtype):
+            return None
+        try:
+            _, _, cols = check_gguf_blocks(w.blocks, qtype, torch.device("cpu"))
+        except ValueError:
+            return None
+        return None if cols != k or w.blocks.shape[0] != n else [
+            w.blocks.data_ptr(), w.blocks.stride(0), w.qtype]
     if w.qtype not in types or w.blocks.dtype != torch.uint8 or not w.blocks.is_cpu:
         return None
     try:
@@ -143,18 +156,22 @@ def _describe(spec: DecoderStackSpec) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def _max_rows(spec: DecoderStackSpec) -> int:
-    """The most sequences a fused step takes: those whose every product has a kernel the
-    C step can call, the one the per-layer path picks at that many rows. With bf16
-    activations and the bf16 GEMM, any number (the GEMM from ``INT8_MAX_M + 1`` rows),
-    except that a dense bf16 weight leaves the kernel for oneDNN's packed copy from
-    ``PACKED_MIN_M`` rows; otherwise the per-layer path dequantizes tiles for torch's
-    BLAS from ``LARGE_M``."""
-    if spec.final_norm.dtype != torch.bfloat16 or not bf16_gemm():
-        return LARGE_M - 1
-    dense = any(part.qtype == BF16_TYPE for layer in spec.layers
-                for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                for part in projection_parts(w))
-    return PACKED_MIN_M - 1 if dense else 1 << 30
+    """The most sequences a fused step takes: those for which every product has a kernel
+    the C step can call, the one the per-layer path picks at that many rows. A row-group
+    packed weight: any number. Row-major blocks with bf16 activations and the bf16 GEMM:
+    any number (the GEMM from ``INT8_MAX_M + 1`` rows); otherwise below ``LARGE_M``, from
+    where the per-layer path dequantizes tiles for torch's BLAS. A dense bf16 weight:
+    below ``PACKED_MIN_M``, from where oneDNN's packed copy takes it."""
+    gemm = spec.final_norm.dtype == torch.bfloat16 and bf16_gemm()
+    most = 1 << 30
+    for layer in spec.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for part in projection_parts(w):
+                if part.qtype == BF16_TYPE:
+                    most = min(most, PACKED_MIN_M - 1)
+                elif not part.qtype & ROWS16_FLAG and not gemm:
+                    most = min(most, LARGE_M - 1)
+    return most
 
 
 def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:

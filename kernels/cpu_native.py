@@ -37,11 +37,13 @@ __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
-# with int8 activations, and the bf16 GEMM for many rows), the decoder layer's
+# with int8 activations, the bf16 GEMM for many rows, and over row groups repacked for
+# int8 products), the decoder layer's
 # elementwise ops, the K/V store, the decode step's whole stack of layers made of them, and
 # token sampling.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
+           _CSRC / "gguf_rows16_cpu.c",
            _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
@@ -58,6 +60,10 @@ _SIGNATURES = {
     "gguf_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I32, _PTR, _I64, _I32,
                            _I32],
     "gguf_gemm_bf16_available": [],
+    "gguf_rows16_types": [],
+    "gguf_rows16_pack": [_PTR, _I64, _I64, _I32, _I32, _I32],
+    "gguf_rows16_matmul": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _PTR, _I64, _I32,
+                           _I32],
     "dense_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I32, _I32],
     "gguf_dequantize_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _I32],
     "rms_norm_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32,

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BF16_TYPE", "BlockWeight", "DecoderLayerWeights", "DecoderStackFn", "DecoderStackSpec",
-           "Projection", "bind_decoder_stack", "projection_parts"]
+__all__ = ["BF16_TYPE", "ROWS16_FLAG", "BlockWeight", "DecoderLayerWeights", "DecoderStackFn",
+           "DecoderStackSpec", "Projection", "bind_decoder_stack", "projection_parts"]
 
 
 #: ggml's BF16 type id: a ``BlockWeight`` of this type is a plain bfloat16 weight
 #: ``[out, in]`` viewed as uint8 ``[out, 2 * in]`` (a "block" of one weight).
 BF16_TYPE = 30
+#: Or-ed into a ``BlockWeight``'s type id: its blocks are repacked in 16-row groups
+#: (``deepinfer_kernels.cpu_gguf_rows16``), computed by the row-group int8 kernel.
+ROWS16_FLAG = 1 << 8
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from deepinfer.models.parallel_layers import Linear
 from deepinfer.models.quantized import part_blocks
 from deepinfer_kernels.decoder_spec import (
     BF16_TYPE,
+    ROWS16_FLAG,
     BlockWeight,
     DecoderLayerWeights,
     DecoderStackFn,
@@ -37,7 +38,8 @@ def _blocks(layer: nn.Module) -> Projection | None:
         return tuple(BlockWeight(part_blocks(layer, p.row_offset), p.qtype)
                      for p in layer.block_parts)
     if layer.qtype is not None:
-        return BlockWeight(layer.weight.detach(), layer.qtype)
+        return BlockWeight(layer.weight.detach(),
+                           layer.qtype | (ROWS16_FLAG if layer.rows16 else 0))
     dense = dense_bf16_weight(layer)
     return None if dense is None else BlockWeight(dense.view(torch.uint8), BF16_TYPE)
 

@@ -35,6 +35,9 @@ class Linear(nn.Linear):
     #: A fused layer's parts when they are blocks of different types (``weight`` is then
     #: flat uint8; ``deepinfer.models.quantized.BlockPart``), else None.
     block_parts: list | None = None
+    #: True once ``weight``'s blocks are repacked in 16-row groups for the CPU's int8
+    #: kernel (``deepinfer_kernels.cpu_gguf_rows16``): same bytes, rearranged.
+    rows16: bool = False
     bound_matmul: MatmulFn | None = None
 
     def reset_parameters(self) -> None:

@@ -37,6 +37,9 @@ int64_t gguf_matmul_int8_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, i
                              const uint8_t *w, int64_t n, int64_t ldw, int32_t qtype,
                              void *out, int64_t ldo, int32_t out_bf16, int32_t threads);
 int64_t gguf_gemm_bf16_available(void);
+int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
+                           const uint8_t *w, int64_t n, int32_t qtype, void *out, int64_t ldo,
+                           int32_t out_bf16, int32_t threads);
 int64_t gguf_gemm_bf16_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
                            int64_t n, int64_t ldw, int32_t qtype, void *out, int64_t ldo,
                            int32_t out_bf16, int32_t threads);
@@ -77,17 +80,19 @@ enum { L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_QKV, L_O = L_QKV + PROJ_FIE
 #define NO_MEMORY 3
 #define BAD_TYPE 1
 #define BF16_TYPE 30 /* ggml's BF16: a dense bf16 weight, row stride in elements */
+#define ROWS16_FLAG 256 /* or-ed into a type: blocks repacked in 16-row groups */
 
 int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
 
 #define P(v) ((void *)(intptr_t)(v))
 
-/* x [m, k] @ W.T -> out [m, n] with row stride ldo, the kernel the per-layer path picks
- * (cpu_gguf.py:_uses_gemm): int8 activations for up to int8_max_m bf16 rows where this
- * CPU and type have them (any number without the bf16 GEMM: the caller keeps m below
- * LARGE_M there), the bf16 GEMM for 2 or more bf16 rows otherwise, else the exact one; a
- * dense bf16 weight always takes the dense GEMM (cpu_dense.py: below PACKED_MIN_M rows,
- * which the caller keeps to). */
+/* x [m, k] @ W.T -> out [m, n] with row stride ldo, the kernel the per-layer path picks:
+ * the row-group kernel for a packed weight (cpu_gguf_rows16.py); else, as
+ * cpu_gguf.py:_uses_gemm, int8 activations for up to int8_max_m bf16 rows where this CPU
+ * and type have them (any number without the bf16 GEMM: the caller keeps m below LARGE_M
+ * there), the bf16 GEMM for 2 or more bf16 rows otherwise, else the exact one; a dense
+ * bf16 weight always takes the dense GEMM (cpu_dense.py: below PACKED_MIN_M rows, which
+ * the caller keeps to). */
 typedef struct {
     int bf16, gemm, threads;           /* activations, the bf16 GEMM built, threads */
     int64_t int8_mask, int8_max_m;     /* types with the int8 kernel, and its most rows */
@@ -99,6 +104,9 @@ static int64_t product(const void *x, int64_t m, int64_t k, const int64_t *w, in
     int64_t ldw = w[1];
     int32_t qtype = (int32_t)w[2];
     const int bf16 = c->bf16, threads = c->threads;
+    if (qtype & ROWS16_FLAG)
+        return gguf_rows16_matmul(x, m, k, k, bf16, blocks, n, qtype & ~ROWS16_FLAG, out, ldo,
+                                  bf16, threads);
     if (qtype == BF16_TYPE)
         return bf16 ? dense_gemm_bf16_cpu(x, m, k, k, blocks, n, ldw, out, ldo, 1, threads)
                     : BAD_TYPE;

@@ -22,9 +22,11 @@ import torch
 import deepinfer_kernels
 from deepinfer import LLM, EngineArgs, SamplingParams
 from deepinfer.loading.loader import load_model
-from deepinfer.models.quantized import quantized_layers, weight_bytes
+from deepinfer.models.parallel_layers import Linear
+from deepinfer.models.quantized import bind_quantized_kernels, quantized_layers, weight_bytes
 from deepinfer.models.tensor_parallel import TPGroup
 from deepinfer_kernels import cpu_gguf
+from deepinfer_kernels.cpu_gguf_rows16 import rows16_types
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
 
@@ -164,6 +166,39 @@ def test_fused_layer_with_parts_of_mixed_types_keeps_each_part(tmp_path, dtype):
     ref = _script_logits(exact, cfg, prompt, [5, 6])
     bf16_err, blocks_err = (want - ref).abs().max(), (got - ref).abs().max()
     assert 0 < blocks_err <= 2 * bf16_err, (float(blocks_err), float(bf16_err))
+
+
+@pytest.mark.skipif(not rows16_types(), reason="no AVX512-VNNI: no row-group kernel")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_bf16_layers_take_the_row_group_kernel(tmp_path, qtype):
+    """bf16 activations on a CPU with VNNI: the Linear layers of these types are repacked
+    in place (same shape and bytes; fp32 models keep the row-major blocks) and multiply
+    by the int8 row-group kernel. Their logits' error against the fp32 dequantized model
+    stays within 3x the bf16 dequantized model's own (int8 activations add about bf16's
+    rounding again); binding again neither repacks nor changes a logit."""
+    path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype, tied=qtype != "Q8_0")
+    auto, cfg = load_model(path, dtype="bfloat16", quantization="auto")
+    plain, _ = load_model(path, dtype="float32", quantization="auto")
+    linears = [m for m in auto.modules() if isinstance(m, Linear) and m.qtype is not None]
+    assert len(linears) == 4 * cfg.num_layers + (qtype == "Q8_0")
+    assert all(m.rows16 for m in linears)
+    assert not any(isinstance(m, Linear) and m.rows16 for m in plain.modules())
+    by_name = dict(plain.named_modules())
+    for name, m in auto.named_modules():
+        if isinstance(m, Linear) and m.qtype is not None:
+            assert m.weight.shape == by_name[name].weight.shape
+    prompt = _tokens(9, cfg.vocab_size, 6)
+    got = _script_logits(auto, cfg, prompt, [5, 6]).float()
+    none, _ = load_model(path, dtype="bfloat16", quantization="none")
+    exact, _ = load_model(path, dtype="float32", quantization="none")
+    want, ref = _script_logits(none, cfg, prompt, [5, 6]).float(), _script_logits(
+        exact, cfg, prompt, [5, 6])
+    bf16_err, rows16_err = (want - ref).abs().max(), (got - ref).abs().max()
+    assert 0 < rows16_err <= 3 * bf16_err, (float(rows16_err), float(bf16_err))
+    packed = linears[0].weight.clone()
+    bind_quantized_kernels(auto, torch.bfloat16)
+    assert torch.equal(linears[0].weight, packed)
+    assert torch.equal(_script_logits(auto, cfg, prompt, [5, 6]).float(), got)
 
 
 def test_triton_attention_backend_through_the_interpreter(tmp_path):
