@@ -9,14 +9,18 @@ Parts, each measured here, now:
 1. copy bandwidth: a 256 MB ``torch`` copy, counted as bytes read per second (what a
    decode step that reads every weight once is bound by);
 2. per block type, a 12288 x 2304 weight (the issue's shape): ``x @ W.T`` at M = 1, 16
-   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``) against ``F.linear`` on
-   the dequantized weight in bf16 and fp32; effective GB/s of the quantized bytes;
+   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``; for Q4_0/Q4_1/Q8_0 also
+   repacked in row groups, ``cpu_gguf_rows16``, the path bf16 models take) against
+   ``F.linear`` on the dequantized weight in bf16 and fp32; effective GB/s of the
+   quantized bytes by the faster bf16-x path;
 3. end to end on the default model (SmolLM2-135M-Instruct Q4_1, one chat prompt, greedy,
    128 tokens): single-stream decode tok/s of ``auto`` and ``none`` (dtype auto), the
    weight bytes read per token and their floor at the copy bandwidth;
 4. llama.cpp (``benchmarks/peer_llamacpp.py``, run by ``$LLAMACPP_PYTHON``; skipped with
    a note when unset) on the same file and prompt: its decode tok/s;
-5. batched: 128 requests (budgets 16-128, ``ignore_eos``) through ``auto`` and ``none``.
+5. batched: 128 requests (budgets 16-128, ``ignore_eos``) through ``auto`` and ``none``;
+6. decode steps by batch size (``--scan``): ms per step of 1-64 sequences together,
+   ``auto`` and ``none``.
 
 Decode tok/s is (128 - 1) / (t(128 tokens) - t(1 token)): the prefill and the first token
 are taken out, as llama.cpp's own decode figure does. Medians of ``--reps``.
@@ -89,12 +93,17 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 def kernel_rows(n: int, k: int, ms: list[int], reps: int, bandwidth: float,
                 min_time: float = 0.2) -> list[dict]:
     """Per type and M: ms per call on blocks vs dequantized bf16 / fp32 weights."""
-    from deepinfer_kernels import cpu_gguf
+    from deepinfer_kernels import cpu_gguf, cpu_gguf_rows16
 
     rows = []
     for qtype in TYPES:
         blocks = random_blocks(qtype, n, k)
         matmul = cpu_gguf.bind_gguf_matmul(blocks, TYPE_IDS[qtype])
+        grouped = None  # the row-group int8 kernel, where it takes the type
+        if cpu_gguf_rows16.rows16_usable(blocks, TYPE_IDS[qtype]):
+            packed = blocks.clone()
+            cpu_gguf_rows16.pack_rows16(packed, TYPE_IDS[qtype])
+            grouped = cpu_gguf_rows16.bind_rows16_matmul(packed, TYPE_IDS[qtype])
         w32 = cpu_gguf.dequantize_gguf(blocks, TYPE_IDS[qtype])
         w16 = w32.to(torch.bfloat16)
         for m in ms:
@@ -102,13 +111,18 @@ def kernel_rows(n: int, k: int, ms: list[int], reps: int, bandwidth: float,
             x16 = x.to(torch.bfloat16)
             tq = seconds(lambda x=x, f=matmul: f(x), reps, min_time)
             tq16 = seconds(lambda x=x16, f=matmul: f(x), reps, min_time)
+            tg = (None if grouped is None
+                  else seconds(lambda x=x16, f=grouped: f(x), reps, min_time))
             t16 = seconds(lambda x=x16, w=w16: F.linear(x, w), reps, min_time)
             t32 = seconds(lambda x=x, w=w32: F.linear(x, w), reps, min_time)
-            gbs = blocks.numel() / tq / 1e9
+            best16 = tq16 if tg is None else min(tq16, tg)  # decode's path: bf16 x
+            gbs = blocks.numel() / best16 / 1e9
             rows.append({
                 "type": qtype, "M": m, "blocks fp32 x ms": round(tq * 1e3, 3),
-                "blocks bf16 x ms": round(tq16 * 1e3, 3), "bf16 ms": round(t16 * 1e3, 3),
-                "fp32 ms": round(t32 * 1e3, 3), "quantized GB/s": round(gbs, 1),
+                "blocks bf16 x ms": round(tq16 * 1e3, 3),
+                "row groups bf16 x ms": "" if tg is None else round(tg * 1e3, 3),
+                "bf16 ms": round(t16 * 1e3, 3),
+                "fp32 ms": round(t32 * 1e3, 3), "bf16 x GB/s (best)": round(gbs, 1),
                 "of copy bw": f"{gbs * 1e9 / bandwidth:.0%}"})
             print(rows[-1], flush=True)
     return rows
@@ -145,11 +159,44 @@ def batched_rate(llm, num: int, seed: int = 0) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
+def step_ms(llm, num: int, tokens: int = 32, seed: int = 0) -> float:
+    """ms per decode step of ``num`` sequences together (32-token random prompts):
+    (t(tokens + 1) - t(1)) / tokens, greedy, ``ignore_eos``."""
+    from deepinfer import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(num)]
+
+    def run(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    return (run(tokens + 1) - run(1)) / tokens * 1e3
+
+
+def scan_rows(scan: dict[str, dict[int, float]]) -> list[dict]:
+    """Per batch size: ms per decode step and tok/s of each mode, and auto / none."""
+    rows = []
+    for num in scan["auto"]:
+        a, b = scan["auto"][num], scan["none"][num]
+        rows.append({"sequences": num, "auto ms/step": round(a, 2),
+                     "none ms/step": round(b, 2), "auto tok/s": round(num * 1e3 / a, 1),
+                     "none tok/s": round(num * 1e3 / b, 1),
+                     "auto speed / none": round(b / a, 2)})
+    return rows
+
+
 def engine_rows(model: str | None, tokens: int, reps: int, batch: int,
-                bandwidth: float) -> list[dict]:
+                bandwidth: float, scan: list[int] = ()) -> tuple[list[dict], list[dict]]:
+    """The end-to-end rows of ``auto`` and ``none``, and the decode-step scan over the
+    batch sizes ``scan`` (both modes, each loaded once)."""
     from deepinfer import LLM
 
-    rows = []
+    rows, steps = [], {}
     for mode in ("auto", "none"):
         t0 = time.perf_counter()
         llm = LLM(model, device="cpu", quantization=mode, kv_cache_memory=256 << 20)
@@ -165,9 +212,12 @@ def engine_rows(model: str | None, tokens: int, reps: int, batch: int,
             row[f"{batch} requests tok/s"] = round(batched_rate(llm, batch), 1)
         rows.append(row)
         print(row, flush=True)
+        steps[mode] = {num: statistics.median(step_ms(llm, num) for _ in range(reps))
+                       for num in scan}
+        print(mode, "ms/step", steps[mode], flush=True)
         llm.close()
         del llm
-    return rows
+    return rows, scan_rows(steps) if scan else []
 
 
 def llamacpp_row(model_path: str, tokens: int, reps: int) -> dict | None:
@@ -262,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=128, help="0: no batched run")
     ap.add_argument("--shape", default="12288x2304", help="N x K of the kernel rows")
     ap.add_argument("--ms", default="1,16,128")
+    ap.add_argument("--scan", default="1,2,4,8,16,32,64",
+                    help="batch sizes of the decode-step scan ('' for none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--save", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
@@ -279,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     n, k = (int(s) for s in a.shape.split("x"))
     kernels = [] if a.no_kernels else kernel_rows(n, k, [int(m) for m in a.ms.split(",")],
                                                   a.reps, bandwidth)
-    engines = engine_rows(a.model, a.tokens, a.reps, a.batch, bandwidth)
+    engines, scan = engine_rows(a.model, a.tokens, a.reps, a.batch, bandwidth,
+                                [int(b) for b in a.scan.split(",") if b])
     peer = llamacpp_row(path, a.tokens, a.reps)
     parts = {mode: breakdown(a.model, a.tokens, mode) for mode in ("auto", "none")}
     print(json.dumps(parts), flush=True)
@@ -290,21 +343,24 @@ def main(argv: list[str] | None = None) -> None:
             "date": utc_now(), "torch": torch.__version__, "triton": "n/a",
             "model": os.path.basename(path), "copy_gb_s": round(bandwidth / 1e9, 2)}
     if a.save:
-        _save(meta, kernels, engines, peer, parts, n, k)
+        _save(meta, kernels, engines, peer, parts, n, k, scan)
 
 
 def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | None,
-          parts: dict[str, dict[str, float]], n: int, k: int) -> None:
+          parts: dict[str, dict[str, float]], n: int, k: int, scan: list[dict]) -> None:
     out = HERE / "results"
     (out / "quant-cpu.json").write_text(json.dumps(
         {"meta": meta, "kernels": kernels, "engines": engines, "breakdown_ms": parts,
-         "llamacpp": peer and peer["raw"]}, indent=1) + "\n")
+         "decode_steps": scan, "llamacpp": peer and peer["raw"]}, indent=1) + "\n")
     lines = header_lines("GGUF weights kept quantized", meta,
                          f"{meta['model']}, copy bandwidth {meta['copy_gb_s']} GB/s read")
     lines += ["## End to end (single stream, 128 tokens, greedy)", ""]
     cols = sorted({c for r in engines for c in r}, key=lambda c: list(engines[0]).index(c)
                   if c in engines[0] else 99)
     lines += table_lines(cols, engines) + [""]
+    if scan:
+        lines += ["## Decode steps by batch size (32-token prompts, 32 steps, greedy)", ""]
+        lines += table_lines(list(scan[0]), scan) + [""]
     lines += ["## Single-stream decode, ms per token by part", ""]
     rows = [{"part": p, **{mode: parts[mode].get(p, "") for mode in parts}}
             for p in parts["auto"]]

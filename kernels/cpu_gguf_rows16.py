@@ -3,7 +3,8 @@
 
 A weight is repacked once, in place, after loading (:func:`pack_rows16`: the same bytes,
 rearranged within each 16-row group, so the resident size is the file's); from then on
-its products take :func:`bind_rows16_matmul` for any number of rows: x quantized per
+its products take :func:`bind_rows16_matmul` for any number of rows (and a tied
+embedding's lookups :func:`bind_rows16_lookup`): x quantized per
 block of 32 to int8 (the int8 path's rounding, see ``cpu_gguf``), 64 products a
 ``vpdpbusd`` into 16 outputs, with no per-call decode or transpose. Measured with
 ``benchmarks/bench_quant.py``: the default model's decode steps from 1 to 128 sequences.
@@ -21,10 +22,12 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer_kernels.cpu_gguf import dequantize_gguf
 from deepinfer_kernels.cpu_native import native_library
 from deepinfer_kernels.validation import check_gguf_blocks, fail
 
-__all__ = ["GROUP_ROWS", "bind_rows16_matmul", "pack_rows16", "rows16_matmul",
+__all__ = ["GROUP_ROWS", "bind_rows16_lookup", "bind_rows16_matmul", "pack_rows16",
+           "rows16_matmul",
            "rows16_types", "rows16_usable", "unpack_rows16"]
 
 #: Rows a group packs together: a weight's row count must be a multiple.
@@ -129,3 +132,35 @@ def bind_rows16_matmul(blocks: torch.Tensor, qtype: int
 
     matmul.keep_alive = b  # type: ignore[attr-defined]
     return matmul
+
+
+def bind_rows16_lookup(blocks: torch.Tensor, qtype: int, dtype: torch.dtype
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An embedding's lookup on a packed weight: ``f(ids)``, ids ``[T]`` int64 on the
+    CPU -> their rows ``[T, K]`` in ``dtype``, each gathered back to its row-major blocks
+    and then dequantized (``cpu_gguf.dequantize_gguf``: the same values as a lookup on
+    the unpacked weight). ``IndexError`` naming an id outside the rows."""
+    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
+    if not rows16_usable(b, fmt.type_id):
+        fail("blocks", f"packed {fmt.name} rows, a multiple of {GROUP_ROWS}, contiguous",
+             tuple(blocks.shape))
+    lib, n, w_ptr, type_id, row_bytes = (native_library(), b.shape[0], b.data_ptr(),
+                                         fmt.type_id, b.shape[1])
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 1 or not ids.is_cpu or ids.dtype != torch.int64:
+            fail("ids", "a CPU int64 tensor [T]", f"{tuple(ids.shape)} {ids.dtype}")
+        ids = ids.contiguous()
+        rows = torch.empty((ids.shape[0], row_bytes), dtype=torch.uint8)
+        rc = lib.gguf_rows16_gather(w_ptr, n, k, type_id, ids.data_ptr(), ids.shape[0],
+                                    rows.data_ptr())
+        if rc >= 5:
+            at = rc - 5
+            raise IndexError(f"ids[{at}] = {int(ids[at])} is outside the embedding's "
+                             f"{n} rows")
+        if rc:
+            raise RuntimeError(f"gguf_rows16_gather: {_ERRORS.get(rc, rc)}")
+        return dequantize_gguf(rows, type_id, dtype)
+
+    lookup.keep_alive = b  # type: ignore[attr-defined]
+    return lookup

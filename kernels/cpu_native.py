@@ -62,6 +62,7 @@ _SIGNATURES = {
     "gguf_gemm_bf16_available": [],
     "gguf_rows16_types": [],
     "gguf_rows16_pack": [_PTR, _I64, _I64, _I32, _I32, _I32],
+    "gguf_rows16_gather": [_PTR, _I64, _I64, _I32, _PTR, _I64, _PTR],
     "gguf_rows16_matmul": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _PTR, _I64, _I32,
                            _I32],
     "dense_gemm_bf16_cpu": [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I32, _I32],

@@ -36,7 +36,8 @@ class Linear(nn.Linear):
     #: flat uint8; ``deepinfer.models.quantized.BlockPart``), else None.
     block_parts: list | None = None
     #: True once ``weight``'s blocks are repacked in 16-row groups for the CPU's int8
-    #: kernel (``deepinfer_kernels.cpu_gguf_rows16``): same bytes, rearranged.
+    #: kernel (``deepinfer_kernels.cpu_gguf_rows16``): same bytes, rearranged. Only the
+    #: bound kernels read them then.
     rows16: bool = False
     bound_matmul: MatmulFn | None = None
 
@@ -61,8 +62,13 @@ class Embedding(nn.Embedding):
     """``nn.Embedding`` without random init (see ``Linear``)."""
 
     qtype: int | None = None
+    #: As ``Linear.rows16``: the blocks are repacked in 16-row groups.
+    rows16: bool = False
     bound_matmul: MatmulFn | None = None
     gguf_rows: RowsFn | None = None
+    #: ids ``[T]`` -> rows ``[T, hidden]``, where the weight's layout needs its own
+    #: gather (repacked blocks); else None.
+    bound_lookup: RowsFn | None = None
 
     def reset_parameters(self) -> None:
         pass
@@ -70,6 +76,8 @@ class Embedding(nn.Embedding):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """ids ``[T]`` int64 (each in range) -> their rows ``[T, hidden]``; GGUF blocks
         are gathered first, then only those rows dequantized."""
+        if self.bound_lookup is not None:
+            return self.bound_lookup(ids)
         if self.gguf_rows is None:
             return F.embedding(ids, self.weight)
         return self.gguf_rows(self.weight.index_select(0, ids))

@@ -18,7 +18,12 @@ from torch import nn
 
 from deepinfer.models.parallel_layers import Embedding, Linear, MatmulFn
 from deepinfer_kernels import gguf_kernels
-from deepinfer_kernels.cpu_gguf_rows16 import bind_rows16_matmul, pack_rows16, rows16_usable
+from deepinfer_kernels.cpu_gguf_rows16 import (
+    bind_rows16_lookup,
+    bind_rows16_matmul,
+    pack_rows16,
+    rows16_usable,
+)
 from deepinfer_kernels.gguf_blocks import block_format
 
 _QUANTIZABLE = (Linear, Embedding)
@@ -111,19 +116,19 @@ def _bind_parts(module: nn.Module) -> MatmulFn:
 
 
 def _repacks(module: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether a Linear's blocks go to the CPU's row-group int8 kernel: 16-bit
+    """Whether a layer's blocks go to the CPU's row-group int8 kernel: 16-bit
     activations (fp32 ones keep the exact kernels) and a weight it takes."""
-    return (isinstance(module, Linear) and dtype in (torch.bfloat16, torch.float16)
-            and module.weight.is_cpu and (module.rows16 or rows16_usable(module.weight,
-                                                                           module.qtype)))
+    return (dtype in (torch.bfloat16, torch.float16) and module.weight.is_cpu
+            and (module.rows16 or rows16_usable(module.weight, module.qtype)))
 
 
 def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every layer holding GGUF blocks its kernels (after its weight is loaded):
     ``bound_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
     gathered rows to ``dtype`` (the model's activations). On a CPU with AVX512-VNNI, a
-    Linear of Q4_0, Q4_1 or Q8_0 blocks with 16-bit activations is repacked in place for
-    the row-group kernel first (``rows16``; once: binding again keeps the packing)."""
+    Linear or Embedding of Q4_0, Q4_1 or Q8_0 blocks with 16-bit activations is repacked
+    in place for the row-group kernel first (``rows16``; once: binding again keeps the
+    packing)."""
     for module in model.modules():
         if getattr(module, "experts_qtypes", None) is not None:  # a SparseMoeBlock's experts
             module.bind_expert_kernels()
@@ -137,6 +142,9 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
                 pack_rows16(module.weight.data, module.qtype)
                 module.rows16 = True
             module.bound_matmul = bind_rows16_matmul(module.weight.data, module.qtype)
+            if isinstance(module, Embedding):  # a tied head: its lookups gather from groups
+                module.bound_lookup = bind_rows16_lookup(module.weight.data, module.qtype,
+                                                         dtype)
             continue
         module.bound_matmul = gguf_kernels.bind_gguf_matmul(module.weight, module.qtype)
         if isinstance(module, Embedding):

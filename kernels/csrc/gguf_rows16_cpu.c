@@ -75,20 +75,41 @@ static void pack_chunk(const uint8_t *rows, int64_t row_bytes, int32_t qtype, ui
     }
 }
 
-static void unpack_chunk(const uint8_t *chunk, int32_t qtype, uint8_t *rows, int64_t row_bytes) {
+/* Row i (0..15) of a chunk back to its row-major block `blk`. */
+static void unpack_row(const uint8_t *chunk, int32_t qtype, int64_t i, uint8_t *blk) {
     const int64_t scales = qtype == Q4_1 ? 2 : 1;
     const int64_t codes = qtype == Q8_0 ? 32 : 16;
-    for (int64_t i = 0; i < GROUP; i++) {
-        uint8_t *blk = rows + i * row_bytes;
-        for (int64_t s = 0; s < scales; s++) memcpy(blk + 2 * s, chunk + s * 32 + 2 * i, 2);
-        uint8_t *qs = blk + 2 * scales;
-        const uint8_t *src = chunk + 32 * scales;
-        for (int64_t v = 0; v < codes / 4; v++)
-            for (int64_t j = 0; j < 4; j++) {
-                uint8_t c = src[v * 64 + 4 * i + j];
-                qs[4 * v + j] = qtype == Q8_0 ? (uint8_t)(c ^ 0x80) : c;
-            }
+    for (int64_t s = 0; s < scales; s++) memcpy(blk + 2 * s, chunk + s * 32 + 2 * i, 2);
+    uint8_t *qs = blk + 2 * scales;
+    const uint8_t *src = chunk + 32 * scales;
+    for (int64_t v = 0; v < codes / 4; v++)
+        for (int64_t j = 0; j < 4; j++) {
+            uint8_t c = src[v * 64 + 4 * i + j];
+            qs[4 * v + j] = qtype == Q8_0 ? (uint8_t)(c ^ 0x80) : c;
+        }
+}
+
+static void unpack_chunk(const uint8_t *chunk, int32_t qtype, uint8_t *rows, int64_t row_bytes) {
+    for (int64_t i = 0; i < GROUP; i++) unpack_row(chunk, qtype, i, rows + i * row_bytes);
+}
+
+/* Rows ids[0..t) of a packed w [n, k] as row-major blocks into out [t, row_bytes] (an
+ * embedding's lookup). Returns 0, BAD_TYPE, BAD_SHAPE, or 5 + the first id's position
+ * when an id is outside 0..n-1 (nothing written for it). */
+int64_t gguf_rows16_gather(const uint8_t *w, int64_t n, int64_t k, int32_t qtype,
+                           const int64_t *ids, int64_t t, uint8_t *out) {
+    const int64_t bb = block_bytes(qtype);
+    if (!bb) return BAD_TYPE;
+    if (n % GROUP || k <= 0 || k % 32) return BAD_SHAPE;
+    const int64_t nb = k / 32, row_bytes = nb * bb;
+    for (int64_t r = 0; r < t; r++) {
+        const int64_t id = ids[r];
+        if (id < 0 || id >= n) return 5 + r;
+        const uint8_t *grp = w + (id / GROUP) * GROUP * row_bytes;
+        for (int64_t b = 0; b < nb; b++)
+            unpack_row(grp + b * GROUP * bb, qtype, id % GROUP, out + r * row_bytes + b * bb);
     }
+    return 0;
 }
 
 /* Row-major blocks w [n, k / 32 blocks] (rows row_bytes apart and contiguous) to the

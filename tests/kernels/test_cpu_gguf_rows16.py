@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as GQ
 from gguf.quants import dequantize as gguf_dequantize
 
+from deepinfer_kernels import cpu_gguf
 from deepinfer_kernels import cpu_gguf_rows16 as rows16
 from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from tests.kernels.gguf_helpers import assert_product, make_blocks, ragged_k, rng_for
@@ -84,6 +85,29 @@ def test_matmul_is_the_int8_product(name: str, m: int, dtype: torch.dtype):
         assert_product(y, x, w.float(), 2e-2)
     bound_fn = rows16.bind_rows16_matmul(blocks, fmt.type_id)
     assert torch.equal(bound_fn(x), y)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lookup_gathers_the_rows_the_unpacked_weight_holds(name: str):
+    """A tied embedding's lookup on the packed weight: each id's row back to its blocks,
+    then dequantized: the values a lookup on the row-major blocks gives, bit for bit,
+    for ids in every group and position, repeated and out of order."""
+    fmt, raw, _ = _case(name, 1, torch.float32, "lookup")
+    blocks = torch.from_numpy(raw.copy())
+    rows16.pack_rows16(blocks, fmt.type_id)
+    ids = torch.tensor([47, 0, 16, 31, 5, 5, 32, 15])
+    plain = torch.from_numpy(raw)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = rows16.bind_rows16_lookup(blocks, fmt.type_id, dtype)(ids)
+        want = cpu_gguf.dequantize_gguf(plain.index_select(0, ids), fmt.type_id, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+    lookup = rows16.bind_rows16_lookup(blocks, fmt.type_id, torch.float32)
+    assert lookup(torch.zeros(0, dtype=torch.int64)).shape == (0, raw.shape[1] // fmt.block_bytes
+                                                               * fmt.block_weights)
+    with pytest.raises(IndexError, match=r"ids\[2\] = 48 is outside the embedding's 48 rows"):
+        lookup(torch.tensor([1, 2, 48]))
+    with pytest.raises(IndexError, match=r"ids\[0\] = -1"):
+        lookup(torch.tensor([-1]))
 
 
 def test_bad_input_is_named():

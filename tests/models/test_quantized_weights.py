@@ -171,17 +171,20 @@ def test_fused_layer_with_parts_of_mixed_types_keeps_each_part(tmp_path, dtype):
 @pytest.mark.skipif(not rows16_types(), reason="no AVX512-VNNI: no row-group kernel")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_bf16_layers_take_the_row_group_kernel(tmp_path, qtype):
-    """bf16 activations on a CPU with VNNI: the Linear layers of these types are repacked
-    in place (same shape and bytes; fp32 models keep the row-major blocks) and multiply
-    by the int8 row-group kernel. Their logits' error against the fp32 dequantized model
-    stays within 3x the bf16 dequantized model's own (int8 activations add about bf16's
-    rounding again); binding again neither repacks nor changes a logit."""
+    """bf16 activations on a CPU with VNNI: the Linear layers of these types and the
+    embedding are repacked in place (same shape and bytes; fp32 models keep the
+    row-major blocks) and multiply by the int8 row-group kernel. Their logits' error
+    against the fp32 dequantized model stays within 3x the bf16 dequantized model's own
+    (int8 activations add about bf16's rounding again); binding again neither repacks
+    nor changes a logit."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype, tied=qtype != "Q8_0")
     auto, cfg = load_model(path, dtype="bfloat16", quantization="auto")
     plain, _ = load_model(path, dtype="float32", quantization="auto")
     linears = [m for m in auto.modules() if isinstance(m, Linear) and m.qtype is not None]
     assert len(linears) == 4 * cfg.num_layers + (qtype == "Q8_0")
     assert all(m.rows16 for m in linears)
+    # The embedding too (the tied head's weight): lookups gather rows out of the groups.
+    assert auto.model.embed_tokens.rows16
     assert not any(isinstance(m, Linear) and m.rows16 for m in plain.modules())
     by_name = dict(plain.named_modules())
     for name, m in auto.named_modules():
