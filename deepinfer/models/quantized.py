@@ -117,9 +117,10 @@ def _bind_parts(module: nn.Module) -> MatmulFn:
 
 def _repacks(module: nn.Module, dtype: torch.dtype) -> bool:
     """Whether a layer's blocks go to the CPU's row-group int8 kernel: 16-bit
-    activations (fp32 ones keep the exact kernels) and a weight it takes."""
-    return (dtype in (torch.bfloat16, torch.float16) and module.weight.is_cpu
-            and (module.rows16 or rows16_usable(module.weight, module.qtype)))
+    activations (fp32 ones keep the exact kernels) and a weight it takes; always once
+    packed (its bytes are then only readable by that kernel)."""
+    return module.rows16 or (dtype in (torch.bfloat16, torch.float16) and module.weight.is_cpu
+                             and rows16_usable(module.weight, module.qtype))
 
 
 def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:

@@ -202,6 +202,12 @@ def test_bf16_layers_take_the_row_group_kernel(tmp_path, qtype):
     bind_quantized_kernels(auto, torch.bfloat16)
     assert torch.equal(linears[0].weight, packed)
     assert torch.equal(_script_logits(auto, cfg, prompt, [5, 6]).float(), got)
+    # Bound again for fp32 activations (whose fresh weights would stay row-major), the
+    # packed bytes keep the kernel that reads them: fp32 embedding rows now, no garbage.
+    bind_quantized_kernels(auto, torch.float32)
+    assert torch.equal(linears[0].weight, packed)
+    again = _script_logits(auto, cfg, prompt, [5, 6]).float()
+    assert (again - got).abs().max() <= 4 * bf16_err  # misread bytes: ~100x
 
 
 def test_triton_attention_backend_through_the_interpreter(tmp_path):
