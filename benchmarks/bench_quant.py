@@ -9,7 +9,7 @@ Parts, each measured here, now:
 1. copy bandwidth: a 256 MB ``torch`` copy, counted as bytes read per second (what a
    decode step that reads every weight once is bound by);
 2. per block type, a 12288 x 2304 weight (the issue's shape): ``x @ W.T`` at M = 1, 16
-   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``; for Q4_0/Q4_1/Q8_0 also
+   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``; for Q4_0/Q4_1/Q8_0/Q4_K also
    repacked in row groups, ``cpu_gguf_rows16``, the path bf16 models take) against
    ``F.linear`` on the dequantized weight in bf16 and fp32; effective GB/s of the
    quantized bytes by the faster bf16-x path;

@@ -1,5 +1,7 @@
 """GGUF weights repacked in groups of 16 rows for int8 products on the CPU
-(``kernels/csrc/gguf_rows16_cpu.c``): Q4_0, Q4_1 and Q8_0 on CPUs with AVX512-VNNI.
+(``kernels/csrc/gguf_rows16_cpu.c``): Q4_0, Q4_1, Q8_0 and Q4_K on CPUs with AVX512-VNNI.
+(Q6_K, written the same way, lost to the row-major kernels from some tens of rows: its
+scale per 16 weights and 6-bit codes cost more per register tile; it stays row-major.)
 
 A weight is repacked once, in place, after loading (:func:`pack_rows16`: the same bytes,
 rearranged within each 16-row group, so the resident size is the file's); from then on

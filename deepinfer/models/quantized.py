@@ -127,7 +127,7 @@ def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every layer holding GGUF blocks its kernels (after its weight is loaded):
     ``bound_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
     gathered rows to ``dtype`` (the model's activations). On a CPU with AVX512-VNNI, a
-    Linear or Embedding of Q4_0, Q4_1 or Q8_0 blocks with 16-bit activations is repacked
+    Linear or Embedding of Q4_0, Q4_1, Q8_0 or Q4_K blocks with 16-bit activations is repacked
     in place for the row-group kernel first (``rows16``; once: binding again keeps the
     packing)."""
     for module in model.modules():

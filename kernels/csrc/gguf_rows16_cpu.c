@@ -1,4 +1,4 @@
-/* GGUF Q4_0, Q4_1 and Q8_0 weights repacked in groups of 16 rows, times int8-quantized
+/* GGUF Q4_0, Q4_1, Q8_0 and Q4_K weights repacked in groups of 16 rows, times int8-quantized
  * activations (AVX512-VNNI), for any number of x rows. Built with the other C kernels by
  * kernels/cpu_native.py.
  *
@@ -19,10 +19,16 @@
  *   Q4_1  d[16], m[16] fp16, then the same 4 vectors, 16 x 20 bytes
  *   Q8_0  d[16] fp16, then 8 vectors q of 64 bytes: lane i = weights 4q..4q+3 of row i,
  *         each + 128 (xor 0x80: unsigned, as vpdpbusd wants), 16 x 34 bytes
+ *   Q4_K  per super-block of 256: d[16], dmin[16], then 35 vectors, lane i = word w of
+ *         row i's bytes after them (3 of packed 6-bit scales and mins, 32 of codes),
+ *         16 x 144 bytes; each sub-block of 32 is scaled as a 32-weight block is
+ * (Generally: a block's fp16 fields become 32-byte vectors of the 16 rows' values and its
+ * other bytes, as 32-bit words, 64-byte vectors of the 16 rows' words: `layout` below.)
  * Numbers: x is quantized per block of 32 to int8 codes with one fp32 scale dx (round to
  * nearest, as gguf_int8_cpu.c), products summed exactly in int32 per block, then
  * out += (d * dx) * sum + m' * (dx * sum of codes) in fp32, block by block, where m' is
- * Q4_1's m, -8 d for Q4_0 and -128 d for Q8_0.
+ * Q4_1's m, -8 d for Q4_0 and -128 d for Q8_0 (Q4_K: d * scale_j and -dmin * min_j per
+ * sub-block j).
  *   x [M, K] float32 or bfloat16 (x_bf16), rows ldx apart; w [N, row_bytes] packed, N a
  *   multiple of 16, rows contiguous; out [M, N] float32 or bfloat16 (out_bf16), ldo apart.
  */
@@ -43,50 +49,75 @@
 #define Q4_0 2
 #define Q4_1 3
 #define Q8_0 8
+#define Q4_K 12
 
 /* Bit i set: ggml type id i has this kernel in this build (none without VNNI). */
 int64_t gguf_rows16_types(void) {
 #ifdef HAVE_ROWS16
-    return (1 << Q4_0) | (1 << Q4_1) | (1 << Q8_0);
+    return (1 << Q4_0) | (1 << Q4_1) | (1 << Q8_0) | (1 << Q4_K);
 #else
     return 0;
 #endif
 }
 
-static int64_t block_bytes(int32_t qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+/* A block as fp16 fields and 32-bit words: `halves` fp16 at byte `half_at`, `words`
+ * words at byte `word_at` (every other byte; Q8_0's flipped by `flip`). Packed, a chunk
+ * is each half as a 32-byte vector of the 16 rows' values, then each word as a 64-byte
+ * vector of the 16 rows' words. */
+typedef struct {
+    int64_t bytes, weights, half_at, halves, word_at, words;
+    uint8_t flip;
+} layout;
+
+static int layout_of(int32_t qtype, layout *l) {
+    static const layout q4_0 = {18, 32, 0, 1, 2, 4, 0}, q4_1 = {20, 32, 0, 2, 4, 4, 0},
+                        q8_0 = {34, 32, 0, 1, 2, 8, 0x80}, q4_k = {144, 256, 0, 2, 4, 35, 0};
+    switch (qtype) {
+    case Q4_0: *l = q4_0; return 1;
+    case Q4_1: *l = q4_1; return 1;
+    case Q8_0: *l = q8_0; return 1;
+    case Q4_K: *l = q4_k; return 1;
+    default: return 0;
+    }
+}
+
+/* A [n, k] weight's blocks per row and bytes per block; 0, BAD_TYPE or BAD_SHAPE (n not
+ * whole groups, k not whole blocks). */
+static int64_t geometry(int32_t qtype, int64_t n, int64_t k, int64_t *nb, int64_t *bb) {
+    layout l;
+    if (!layout_of(qtype, &l)) return BAD_TYPE;
+    if (n % GROUP || k <= 0 || k % l.weights) return BAD_SHAPE;
+    *nb = k / l.weights;
+    *bb = l.bytes;
+    return 0;
 }
 
 /* One chunk (16 rows' block b) between row-major blocks and the packed layout. `rows`:
  * the 16 rows' block b, row_bytes apart; `chunk`: its 16 x bb packed bytes. */
 static void pack_chunk(const uint8_t *rows, int64_t row_bytes, int32_t qtype, uint8_t *chunk) {
-    const int64_t scales = qtype == Q4_1 ? 2 : 1;
-    const int64_t codes = qtype == Q8_0 ? 32 : 16;
+    layout l;
+    layout_of(qtype, &l);
+    uint8_t *words = chunk + 32 * l.halves;
     for (int64_t i = 0; i < GROUP; i++) {
         const uint8_t *blk = rows + i * row_bytes;
-        for (int64_t s = 0; s < scales; s++) memcpy(chunk + s * 32 + 2 * i, blk + 2 * s, 2);
-        const uint8_t *qs = blk + 2 * scales;
-        uint8_t *dst = chunk + 32 * scales;
-        for (int64_t v = 0; v < codes / 4; v++)
-            for (int64_t j = 0; j < 4; j++) {
-                uint8_t c = qs[4 * v + j];
-                dst[v * 64 + 4 * i + j] = qtype == Q8_0 ? (uint8_t)(c ^ 0x80) : c;
-            }
+        for (int64_t h = 0; h < l.halves; h++)
+            memcpy(chunk + h * 32 + 2 * i, blk + l.half_at + 2 * h, 2);
+        for (int64_t v = 0; v < l.words; v++)
+            for (int64_t j = 0; j < 4; j++)
+                words[v * 64 + 4 * i + j] = blk[l.word_at + 4 * v + j] ^ l.flip;
     }
 }
 
 /* Row i (0..15) of a chunk back to its row-major block `blk`. */
 static void unpack_row(const uint8_t *chunk, int32_t qtype, int64_t i, uint8_t *blk) {
-    const int64_t scales = qtype == Q4_1 ? 2 : 1;
-    const int64_t codes = qtype == Q8_0 ? 32 : 16;
-    for (int64_t s = 0; s < scales; s++) memcpy(blk + 2 * s, chunk + s * 32 + 2 * i, 2);
-    uint8_t *qs = blk + 2 * scales;
-    const uint8_t *src = chunk + 32 * scales;
-    for (int64_t v = 0; v < codes / 4; v++)
-        for (int64_t j = 0; j < 4; j++) {
-            uint8_t c = src[v * 64 + 4 * i + j];
-            qs[4 * v + j] = qtype == Q8_0 ? (uint8_t)(c ^ 0x80) : c;
-        }
+    layout l;
+    layout_of(qtype, &l);
+    const uint8_t *words = chunk + 32 * l.halves;
+    for (int64_t h = 0; h < l.halves; h++)
+        memcpy(blk + l.half_at + 2 * h, chunk + h * 32 + 2 * i, 2);
+    for (int64_t v = 0; v < l.words; v++)
+        for (int64_t j = 0; j < 4; j++)
+            blk[l.word_at + 4 * v + j] = words[v * 64 + 4 * i + j] ^ l.flip;
 }
 
 static void unpack_chunk(const uint8_t *chunk, int32_t qtype, uint8_t *rows, int64_t row_bytes) {
@@ -98,10 +129,9 @@ static void unpack_chunk(const uint8_t *chunk, int32_t qtype, uint8_t *rows, int
  * when an id is outside 0..n-1 (nothing written for it). */
 int64_t gguf_rows16_gather(const uint8_t *w, int64_t n, int64_t k, int32_t qtype,
                            const int64_t *ids, int64_t t, uint8_t *out) {
-    const int64_t bb = block_bytes(qtype);
-    if (!bb) return BAD_TYPE;
-    if (n % GROUP || k <= 0 || k % 32) return BAD_SHAPE;
-    const int64_t nb = k / 32, row_bytes = nb * bb;
+    int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
+    if (rc) return rc;
+    const int64_t row_bytes = nb * bb;
     for (int64_t r = 0; r < t; r++) {
         const int64_t id = ids[r];
         if (id < 0 || id >= n) return 5 + r;
@@ -112,15 +142,14 @@ int64_t gguf_rows16_gather(const uint8_t *w, int64_t n, int64_t k, int32_t qtype
     return 0;
 }
 
-/* Row-major blocks w [n, k / 32 blocks] (rows row_bytes apart and contiguous) to the
+/* Row-major blocks w [n, k / block weights] (rows contiguous) to the
  * packed layout in place (unpack: back). Returns 0, BAD_TYPE, BAD_SHAPE (n not whole
  * groups, k not whole blocks) or NO_MEMORY. */
 int64_t gguf_rows16_pack(uint8_t *w, int64_t n, int64_t k, int32_t qtype, int32_t unpack,
                          int32_t threads) {
-    const int64_t bb = block_bytes(qtype);
-    if (!bb) return BAD_TYPE;
-    if (n % GROUP || k <= 0 || k % 32) return BAD_SHAPE;
-    const int64_t nb = k / 32, row_bytes = nb * bb, groups = n / GROUP;
+    int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
+    if (rc) return rc;
+    const int64_t row_bytes = nb * bb, groups = n / GROUP;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -150,13 +179,13 @@ static inline __m512 load16(const void *x, int64_t i, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* One x row -> int8 codes q [nb * 32], per block its scale dx [nb] (x ~= dx * q) and
- * dx * (sum of its codes) sx [nb]. The codes are those of gguf_int8_cpu.c's quantizer:
- * 127 / amax times x, rounded to nearest even. */
-static void quantize_row(const void *x, int bf16, int64_t nb, int8_t *q, float *dx,
+/* One x row -> int8 codes q [nx * 32], per block of 32 its scale dx [nx] (x ~= dx * q)
+ * and dx * (sum of its codes) sx [nx]. The codes are those of gguf_int8_cpu.c's
+ * quantizer: 127 / amax times x, rounded to nearest even. */
+static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *dx,
                          float *sx) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nx; b++) {
         __m512 v0 = load16(x, b * 32, bf16), v1 = load16(x, b * 32 + 16, bf16);
         __m512 a = _mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign));
         float amax = _mm512_reduce_max_ps(a);
@@ -177,31 +206,58 @@ static inline void store16(void *out, int64_t at, __m512 v, int out_bf16) {
         _mm512_storeu_ps((float *)out + at, v);
 }
 
-/* R x rows (quantized: codes xq as 32-bit quads, dx, sx per block, rows `ldq` quads /
- * `nb` blocks apart) against one packed row group: 16 outputs a row into out at j0. */
+/* The quantized x rows a kernel call reads: codes as 32-bit quads (rows ldq quads
+ * apart), and per row nx scales and code sums. */
+typedef struct {
+    const int32_t *q;
+    const float *dx, *sx;
+    int64_t ldq, nx;
+} xrows;
+
+static inline __m512 halves16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* acc[r] += (scale * dx_r) * sum_r + offset * s_r over R rows: one block's integer sums
+ * into the fp32 outputs (s: dx times the x codes' sum over the block). */
+#define SCALE_INTO(R, acc, sum, scale, offset, dxp, sp)                                   \
+    for (int r = 0; r < R; r++) {                                                         \
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]),                              \
+                                 _mm512_mul_ps(scale, _mm512_set1_ps((dxp)[r])), acc[r]);  \
+        acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps((sp)[r]), acc[r]);               \
+    }
+
+/* R x rows against one packed row group of a 32-weight type: 16 outputs a row into out
+ * at j0 (rows ldo apart). */
 #define GROUP_KERNEL(R)                                                                   \
-    static void group_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const int32_t *xq,\
-                          int64_t ldq, const float *dx, const float *sx, void *out,       \
-                          int64_t ldo, int64_t j0, int out_bf16) {                        \
-        const int64_t bb = block_bytes(qtype) * GROUP;                                    \
+    static void group_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,  \
+                          void *out, int64_t ldo, int64_t j0, int out_bf16) {             \
+        layout l;                                                                         \
+        layout_of(qtype, &l);                                                             \
+        const int64_t bb = l.bytes * GROUP;                                               \
         const int q8 = qtype == Q8_0, q41 = qtype == Q4_1;                                \
         const __m512i nib = _mm512_set1_epi8(0x0F);                                       \
         __m512 acc[R];                                                                    \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                         \
         for (int64_t b = 0; b < nb; b++) {                                                \
             const uint8_t *c = grp + b * bb;                                              \
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));           \
-            __m512 m = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 32)))\
+            __m512 d = halves16(c);                                                       \
+            __m512 m = q41 ? halves16(c + 32)                                             \
                            : _mm512_mul_ps(d, _mm512_set1_ps(q8 ? -128.0f : -8.0f));      \
-            const uint8_t *qs = c + (q41 ? 64 : 32);                                      \
+            const uint8_t *qs = c + 32 * l.halves;                                        \
             __m512i s[R];                                                                 \
-            for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();                    \
+            float dxs[R], sxs[R];                                                         \
+            for (int r = 0; r < R; r++) {                                                 \
+                s[r] = _mm512_setzero_si512();                                            \
+                dxs[r] = x->dx[r * x->nx + b];                                            \
+                sxs[r] = x->sx[r * x->nx + b];                                            \
+            }                                                                             \
             if (q8) {                                                                     \
                 for (int v = 0; v < 8; v++) {                                             \
                     __m512i w = _mm512_loadu_si512(qs + 64 * v);                          \
                     for (int r = 0; r < R; r++)                                           \
                         s[r] = _mm512_dpbusd_epi32(                                       \
-                            s[r], w, _mm512_set1_epi32(xq[r * ldq + b * 8 + v]));         \
+                            s[r], w, _mm512_set1_epi32(x->q[r * x->ldq + b * 8 + v]));    \
                 }                                                                         \
             } else {                                                                      \
                 for (int v = 0; v < 4; v++) {                                             \
@@ -209,30 +265,98 @@ static inline void store16(void *out, int64_t at, __m512 v, int out_bf16) {
                     __m512i lo = _mm512_and_si512(w, nib);                                \
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);          \
                     for (int r = 0; r < R; r++) {                                         \
-                        const int32_t *xb = xq + r * ldq + b * 8;                         \
+                        const int32_t *xb = x->q + r * x->ldq + b * 8;                    \
                         s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xb[v]));   \
                         s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xb[v + 4]));\
                     }                                                                     \
                 }                                                                         \
             }                                                                             \
-            for (int r = 0; r < R; r++) {                                                 \
-                __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b]));          \
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);        \
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);      \
+            SCALE_INTO(R, acc, s, d, m, dxs, sxs)                                         \
+        }                                                                                 \
+        for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
+    }
+
+/* Q4_K: per super-block of 256, eight sub-blocks of 32 with 6-bit scales and mins (the
+ * 12 bytes as three word vectors S0..S2, the 16 rows' in lanes). Sub-block j < 4: scale
+ * S0 byte j, min S1 byte j (low 6 bits); j >= 4: S2 byte j-4's low / high nibble, with
+ * the top two bits of S0 / S1 byte j-4 as bits 4-5. Codes: word 3 + 8c + q holds quad q
+ * of sub-blocks 2c (low nibbles) and 2c + 1 (high). (Q6_K, written the same way with a
+ * scale per 16 weights, ran 1.1-1.6x the row-major kernels at 1-16 rows but 0.8x at 64:
+ * its per-16 scaling and 6-bit decode per register tile; it stays row-major.) */
+#define Q4K_KERNEL(R)                                                                     \
+    static void q4k_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,    \
+                        void *out, int64_t ldo, int64_t j0, int out_bf16) {               \
+        layout l;                                                                         \
+        layout_of(qtype, &l);                                                             \
+        const int64_t bb = l.bytes * GROUP;                                               \
+        const __m512i nib = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63);          \
+        const __m512i low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(3 << 4);     \
+        __m512 acc[R];                                                                    \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                         \
+        for (int64_t b = 0; b < nb; b++) {                                                \
+            const uint8_t *c = grp + b * bb;                                              \
+            const __m512i *wv = (const __m512i *)(c + 32 * l.halves);                     \
+            const __m512 d = halves16(c);                                                 \
+            const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves16(c + 32)); \
+            const __m512i s0 = _mm512_loadu_si512(wv), s1 = _mm512_loadu_si512(wv + 1);   \
+            const __m512i s2 = _mm512_loadu_si512(wv + 2);                                \
+            __m512i s[R];                                                                 \
+            float dxs[R], sxs[R];                                                         \
+            for (int j = 0; j < 8; j++) {                                                 \
+                const int jb = 8 * (j & 3);                                               \
+                __m512i sc, mn;                                                           \
+                if (j < 4) {                                                              \
+                    sc = _mm512_and_si512(_mm512_srli_epi32(s0, jb), six);                \
+                    mn = _mm512_and_si512(_mm512_srli_epi32(s1, jb), six);                \
+                } else {                                                                  \
+                    const __m512i e = _mm512_srli_epi32(s2, jb);                          \
+                    sc = _mm512_or_si512(_mm512_and_si512(e, low4),                       \
+                                         _mm512_and_si512(_mm512_srli_epi32(s0, jb + 2), top2));\
+                    mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(e, 4), low4), \
+                                         _mm512_and_si512(_mm512_srli_epi32(s1, jb + 2), top2));\
+                }                                                                         \
+                const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));            \
+                const __m512 offset = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn));    \
+                const int64_t xb = b * 8 + j; /* the x block of sub-block j */            \
+                for (int r = 0; r < R; r++) {                                             \
+                    s[r] = _mm512_setzero_si512();                                        \
+                    dxs[r] = x->dx[r * x->nx + xb];                                       \
+                    sxs[r] = x->sx[r * x->nx + xb];                                       \
+                }                                                                         \
+                for (int q = 0; q < 8; q++) {                                             \
+                    __m512i w = _mm512_loadu_si512(wv + 3 + 8 * (j >> 1) + q);            \
+                    w = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(w, 4) : w, nib);     \
+                    for (int r = 0; r < R; r++)                                           \
+                        s[r] = _mm512_dpbusd_epi32(                                       \
+                            s[r], w, _mm512_set1_epi32(x->q[r * x->ldq + xb * 8 + q]));   \
+                }                                                                         \
+                SCALE_INTO(R, acc, s, scale, offset, dxs, sxs)                            \
             }                                                                             \
         }                                                                                 \
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
-GROUP_KERNEL(1)
-GROUP_KERNEL(2)
-GROUP_KERNEL(3)
-GROUP_KERNEL(4)
-GROUP_KERNEL(5)
-GROUP_KERNEL(6)
-GROUP_KERNEL(7)
-GROUP_KERNEL(8)
+
+#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q4K_KERNEL(R)
+BOTH_KERNELS(1)
+BOTH_KERNELS(2)
+BOTH_KERNELS(3)
+BOTH_KERNELS(4)
+BOTH_KERNELS(5)
+BOTH_KERNELS(6)
+BOTH_KERNELS(7)
+BOTH_KERNELS(8)
+#undef BOTH_KERNELS
+#undef Q4K_KERNEL
 #undef GROUP_KERNEL
+#undef SCALE_INTO
 #define XR 8 /* x rows a kernel call: 8 fp32 outputs + 8 int32 sums + weights in 32 zmm */
+
+typedef void group_fn(const uint8_t *, int32_t, int64_t, const xrows *, void *, int64_t,
+                      int64_t, int);
+static group_fn *const GROUP_FNS[XR + 1] = {NULL, group_1, group_2, group_3, group_4,
+                                            group_5, group_6, group_7, group_8};
+static group_fn *const Q4K_FNS[XR + 1] = {NULL, q4k_1, q4k_2, q4k_3, q4k_4, q4k_5, q4k_6,
+                                          q4k_7, q4k_8};
 #endif
 
 /* x [m, k] @ W.T for W [n, k] packed as above -> out [m, n]. Returns 0, BAD_TYPE,
@@ -245,26 +369,25 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     (void)out; (void)ldo; (void)out_bf16; (void)threads;
     return BAD_TYPE;
 #else
-    const int64_t bb = block_bytes(qtype);
-    if (!bb) return BAD_TYPE;
-    if (n % GROUP || k <= 0 || k % 32) return BAD_SHAPE;
+    int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
+    if (rc) return rc;
     if (m <= 0) return 0;
-    const int64_t nb = k / 32, ldq = k / 4, groups = n / GROUP;
+    const int64_t nx = k / 32, ldq = k / 4, groups = n / GROUP;
     const size_t es = x_bf16 ? 2 : 4;
-    /* Every x row quantized once, up front: codes, then dx and sx per row and block. */
+    /* Every x row quantized once, up front: codes, then per row and block dx and sx. */
     int8_t *q = aligned_alloc(64, ((size_t)(m * k) + 63) / 64 * 64);
-    float *dx = malloc((size_t)(2 * m * nb) * sizeof(float));
+    float *dx = malloc((size_t)(2 * m * nx) * sizeof(float));
     if (!q || !dx) {
         free(q);
         free(dx);
         return NO_MEMORY;
     }
-    float *sx = dx + m * nb;
+    float *sx = dx + m * nx;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nb, q + r * k,
-                     dx + r * nb, sx + r * nb);
-    const int32_t *xq = (const int32_t *)q;
+        quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
+                     dx + r * nx, sx + r * nx);
+    group_fn *const *fns = qtype == Q4_K ? Q4K_FNS : GROUP_FNS;
     const size_t os = out_bf16 ? 2 : 4;
     /* Row groups split over threads; each runs every x row over its group (read from L1
      * or L2 for every 8 x rows after the first). */
@@ -273,19 +396,10 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
         const uint8_t *grp = w + g * GROUP * nb * bb;
         for (int64_t r = 0; r < m; r += XR) {
             const int64_t cnt = m - r < XR ? m - r : XR;
-            const int32_t *xr = xq + r * ldq;
-            const float *dr = dx + r * nb, *sr = sx + r * nb;
-            void *o = (char *)out + (size_t)(r * ldo) * os;
-            switch (cnt) {
-            case 8: group_8(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 7: group_7(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 6: group_6(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 5: group_5(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 4: group_4(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 3: group_3(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            case 2: group_2(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16); break;
-            default: group_1(grp, qtype, nb, xr, ldq, dr, sr, o, ldo, g * GROUP, out_bf16);
-            }
+            const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx, sx + r * nx, ldq,
+                              nx};
+            fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os, ldo,
+                     g * GROUP, out_bf16);
         }
     }
     free(q);

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as GQ
 
 import deepinfer_kernels
 from deepinfer.loading.loader import load_model
@@ -18,6 +19,7 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
 from deepinfer_kernels.cpu_dense import PACKED_MIN_M
+from deepinfer_kernels.cpu_gguf_rows16 import rows16_types
 from deepinfer_kernels.decoder_spec import BF16_TYPE
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
@@ -135,6 +137,9 @@ def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     bits."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
     model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
+    # Q4_K's layers are repacked for the row-group kernel where the CPU has it.
+    rows16 = GQ[qtype].value in rows16_types()
+    assert model.model.layers[0].mlp.down_proj.rows16 == rows16
     assert model.decoder_stack.get(model, cpu_backend) is not None
     prompts = {s: list(range(3 + s, 9 + 3 * s)) for s in range(3)}
     fused, fused_cache = _run(model, cfg, torch.bfloat16, cpu_backend, prompts, steps=4)
