@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_kernels import cpu_native, reference
+from deepinfer_kernels import cpu_native, cpu_prefill, reference
 from deepinfer_kernels.cpu_decoder import bind_decoder_stack
 from deepinfer_kernels.cpu_layer_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from deepinfer_kernels.cpu_sampling import sample_tokens, sample_tokens_filtered
@@ -69,6 +69,7 @@ __all__ = [
     "paged_decode_attention",
     "gathered_decode_attention",
     "paged_prefill_attention",
+    "gathered_prefill_attention",
     "clone_blocks",
     "zero_states",
     "clone_states",
@@ -283,12 +284,37 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over prefix + themselves, all read from cache.
+    """Causal attention of packed new tokens over prefix + themselves, all read from cache:
+    the native C kernel (:mod:`kernels.cpu_prefill`) where it takes the inputs, else
+    :func:`gathered_prefill_attention`.
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
     cached prefix plus this step's new tokens. Returns ``[T, Hq, D]`` in q's dtype (into
     ``out`` when given); fp32 math.
     """
+    del max_query_len
+    if cpu_prefill.can_prefill(q, k_cache, v_cache, block_tables):
+        return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                   query_start_loc, seq_lens, scale=scale,
+                                                   out=out)
+    return gathered_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                      seq_lens, scale=scale, out=out)
+
+
+def gathered_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention` in torch: each sequence's blocks gathered, then SDPA
+    (the fallback for what the native kernel does not take: fp16 caches, other head
+    sizes, no C compiler). Shapes and dtypes as there; fp32 math."""
     del max_query_len
     hq, d = q.shape[1], q.shape[2]
     scale = d**-0.5 if scale is None else scale

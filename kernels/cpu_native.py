@@ -36,14 +36,13 @@ from deepinfer_kernels.validation import check_out
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# One library of all the C kernels: paged decode attention, the GGUF block matmul (exact,
-# with int8 activations, the bf16 GEMM for many rows, and over row groups repacked for
-# int8 products), the decoder layer's
-# elementwise ops, the K/V store, the decode step's whole stack of layers made of them, and
-# token sampling.
+# One library of all the C kernels: paged decode and prefill attention, the GGUF block
+# matmul (exact, with int8 activations, the bf16 GEMM for many rows, and over row groups
+# repacked for int8 products), the decoder layer's elementwise ops, the K/V store, the
+# decode step's whole stack of layers made of them, and token sampling.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
-           _CSRC / "gguf_rows16_cpu.c",
+           _CSRC / "gguf_rows16_cpu.c", _CSRC / "paged_prefill_cpu.c",
            _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
@@ -52,6 +51,9 @@ _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
     "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 3,
+    "paged_prefill_attention_cpu": [_PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I64,
+                                    _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                                    _PTR, _I32],
     "gguf_matmul_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR, _I64,
                         _I32, _I32],
     "gguf_matmul_int8_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR,

@@ -156,17 +156,22 @@ PREFILL_CASES = [
 ]
 
 
+# The entry point (native kernel where it applies, see test_cpu_prefill.py) and torch's.
+PREFILL_IMPLS = [pytest.param(cpu_backend.paged_prefill_attention, id="dispatch"),
+                 pytest.param(cpu_backend.gathered_prefill_attention, id="gathered")]
+
+
+@pytest.mark.parametrize("impl", PREFILL_IMPLS)
 @pytest.mark.parametrize("hq, hkv, d, bs, dtype, q_lens, prefix", PREFILL_CASES)
-def test_prefill_matches_reference(hq, hkv, d, bs, dtype, q_lens, prefix):
+def test_prefill_matches_reference(hq, hkv, d, bs, dtype, q_lens, prefix, impl):
     g = generator(seed_for("cpu-prefill", hq, hkv, d, bs, dtype, q_lens, prefix))
     lens = [a + b for a, b in zip(q_lens, prefix)]
     kv = _paged_kv(lens, bs, hkv, d, dtype, g)
     starts = torch.tensor([0] + q_lens).cumsum(0).int()
     q = randn((int(starts[-1]), hq, d), dtype, g).cpu()
     out = torch.full_like(q, float("nan"))
-    got = cpu_backend.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
-                                              starts, kv.seq_lens, out=out,
-                                              max_query_len=max(q_lens))
+    got = impl(q, kv.k_cache, kv.v_cache, kv.block_tables, starts, kv.seq_lens, out=out,
+               max_query_len=max(q_lens))
     assert got is out
     want = reference.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
                                              starts, kv.seq_lens)
@@ -211,8 +216,8 @@ def test_store_kv_slot_past_the_cache_is_named():
 
 
 def test_same_ops_as_reference():
-    """The reference's ops, plus the torch decode path the native kernel falls back to
-    (the elementwise layer ops are cpu_layer_ops', tested in test_cpu_layer_ops.py; the
+    """The reference's ops, plus the torch decode and prefill paths the native kernels
+    fall back to (the elementwise layer ops are cpu_layer_ops', tested in test_cpu_layer_ops.py; the
     draws cpu_sampling's, tested in test_cpu_sampling.py)."""
     torch_ops = ["clone_blocks", "zero_states", "clone_states", "moe_route", "fused_moe",
                  "fused_moe_gguf"]
@@ -222,7 +227,8 @@ def test_same_ops_as_reference():
              *layer_ops, *sampling_ops]
     # Plus its own: the fused decode stack (tests/models/test_decoder_stack.py).
     assert sorted(cpu_backend.__all__) == sorted(
-        names + ["gathered_decode_attention", "bind_decoder_stack"])
+        names + ["gathered_decode_attention", "gathered_prefill_attention",
+                 "bind_decoder_stack"])
     for name in torch_ops:
         assert getattr(cpu_backend, name) is getattr(reference, name)
 
