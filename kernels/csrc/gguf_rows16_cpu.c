@@ -199,11 +199,24 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
     }
 }
 
+/* 16 fp32 outputs at `at`, or rounded to bf16 (nearest even; NaN stays NaN). */
 static inline void store16(void *out, int64_t at, __m512 v, int out_bf16) {
-    if (out_bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
-    else
+    if (!out_bf16) {
         _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
+#else /* VNNI without AVX512-BF16 (Cascade Lake, Ice Lake): the rounding in integers */
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(r));
+#endif
 }
 
 /* The quantized x rows a kernel call reads: codes as 32-bit quads (rows ldq quads
