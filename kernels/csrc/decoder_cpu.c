@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec16.h"
+
 int64_t gguf_int8_types(void);
 int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
                         const uint8_t *w, int64_t n, int64_t ldw, int32_t qtype, void *out,
@@ -134,29 +136,6 @@ static int64_t projection(const void *x, int64_t m, int64_t k, const int64_t *pa
     return row == n ? 0 : BAD_TYPE;
 }
 
-static inline float widen(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-/* fp32 -> the activation dtype, rounded to nearest even as torch's copy does. */
-static inline void narrow(void *p, int64_t i, float v, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = v;
-        return;
-    }
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
-        b = (b >> 16) | 0x40;
-    else
-        b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    ((uint16_t *)p)[i] = (uint16_t)b;
-}
-
 int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t num_layers,
                           const void *x, void *out, int64_t t, const int64_t *positions,
                           const int64_t *slots, void *kv, int64_t num_blocks,
@@ -209,12 +188,12 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
             rc = store_kv_cpu(krot, kvs, (char *)qkv + (size_t)(qs + kvs) * es, qkv_n,
                               k_cache, v_cache, slots, t, kvs, num_slots, (int32_t)es);
         if (rc) break;
-        for (int64_t e = 0; e < t * qs; e++) qf[e] = widen(qrot, e, bf16) * scale;
+        for (int64_t e = 0; e < t * qs; e++) qf[e] = load1(qrot, e, bf16) * scale;
         rc = paged_decode_attention_cpu(qf, k_cache, v_cache, tables, seq_lens, attn_f, t,
                                         hq, hkv, d, num_blocks, block_size, table_width,
                                         table_stride, bf16, tables_i64, threads);
         if (rc) break;
-        for (int64_t e = 0; e < t * qs; e++) narrow(attn, e, attn_f[e], bf16);
+        for (int64_t e = 0; e < t * qs; e++) store1(attn, e, attn_f[e], bf16);
         rc = projection(attn, t, qs, L + L_O, h, cur, &how);
         if (!rc)
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_POST_NORM]), hb, h, t, h, eps,

@@ -20,35 +20,8 @@
 
 #define PARALLEL_MIN (1 << 15) /* elements below which one thread is faster */
 
-static inline float bf16_to_f(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t f_to_bf16(float v) {
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
-/* Element i of a row in the tensor's dtype, as float; and a float stored (rounded). */
-static inline float ld(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void st(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 /* Rounded to the dtype: what torch does after each op on bf16 tensors. */
-static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f(f_to_bf16(v)) : v; }
+static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 static inline size_t esz(int bf16) { return bf16 ? 2 : 4; }
 
@@ -61,8 +34,8 @@ static inline void *row_m(void *p, int64_t r, int64_t ld_, int bf16) {
 }
 
 /* 16 floats stored from i on (bf16: rounded to nearest even, NaN kept quiet, as
- * f_to_bf16) and rounded to the dtype: with load16 (vec16.h), the vector forms of st,
- * rnd and ld. */
+ * f32_to_bf16) and rounded to the dtype: with load16 (vec16.h), the vector forms of
+ * store1, rnd and load1. */
 static inline v16u bf16_bits16(v16f v) {
     v16u b;
     memcpy(&b, &v, sizeof b);
@@ -104,14 +77,14 @@ static void norm_row(const void *x, const void *w, void *out, int64_t h, float e
     }
     float ss = hsum16(acc);
     for (; i < h; i++) {
-        float v = ld(x, i, bf16);
+        float v = load1(x, i, bf16);
         ss += v * v;
     }
     float r = 1.0f / sqrtf(ss / (float)h + eps);
     for (i = 0; i + 16 <= h; i += 16)
         st16(out, i, load16(w, i, bf16) * rnd16(load16(x, i, bf16) * r, bf16), bf16);
     for (; i < h; i++)
-        st(out, i, ld(w, i, bf16) * rnd(ld(x, i, bf16) * r, bf16), bf16);
+        store1(out, i, load1(w, i, bf16) * rnd(load1(x, i, bf16) * r, bf16), bf16);
 }
 
 /* out = rms_norm(x [+ res_in]); with res_in, the sum is also written to res_out (it may
@@ -127,7 +100,7 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
             void *s = row_m(res_out, r, ld_rout, bf16);
             int64_t i = 0;
             for (; i + 16 <= h; i += 16) st16(s, i, load16(a, i, bf16) + load16(b, i, bf16), bf16);
-            for (; i < h; i++) st(s, i, ld(a, i, bf16) + ld(b, i, bf16), bf16);
+            for (; i < h; i++) store1(s, i, load1(a, i, bf16) + load1(b, i, bf16), bf16);
             src = s;
         }
         norm_row(src, w, row_m(out, r, ldo, bf16), h, eps, bf16);
@@ -140,7 +113,7 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
 static void rotate(float *buf, const void *cs, int64_t d, int bf16) {
     int64_t half = d / 2;
     for (int64_t i = 0; i < half; i++) {
-        float c = ld(cs, i, bf16), s = ld(cs, half + i, bf16);
+        float c = load1(cs, i, bf16), s = load1(cs, half + i, bf16);
         float x1 = buf[i], x2 = buf[half + i];
         float a = rnd(rnd(x1 * c, bf16) - rnd(x2 * s, bf16), bf16);
         float b = rnd(rnd(x2 * c, bf16) + rnd(x1 * s, bf16), bf16);
@@ -159,17 +132,17 @@ static void rope_heads(const void *src, int64_t ld_src, void *dst, int64_t ld_ds
         if (nw) {
             float ss = 0.0f;
             for (int64_t i = 0; i < d; i++) {
-                float v = ld(x, i, bf16);
+                float v = load1(x, i, bf16);
                 ss += v * v;
             }
             float inv = 1.0f / sqrtf(ss / (float)d + eps);
             for (int64_t i = 0; i < d; i++)
-                buf[i] = rnd(ld(nw, i, bf16) * rnd(ld(x, i, bf16) * inv, bf16), bf16);
+                buf[i] = rnd(load1(nw, i, bf16) * rnd(load1(x, i, bf16) * inv, bf16), bf16);
         } else {
-            for (int64_t i = 0; i < d; i++) buf[i] = ld(x, i, bf16);
+            for (int64_t i = 0; i < d; i++) buf[i] = load1(x, i, bf16);
         }
         rotate(buf, cs, d, bf16);
-        for (int64_t i = 0; i < d; i++) st(y, i, buf[i], bf16);
+        for (int64_t i = 0; i < d; i++) store1(y, i, buf[i], bf16);
     }
 }
 
@@ -210,8 +183,8 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
             st16(o, i, sv * load16(xr, inter + i, bf16), bf16);
         }
         for (; i < inter; i++) {
-            float g = ld(xr, i, bf16), u = ld(xr, inter + i, bf16);
-            st(o, i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+            float g = load1(xr, i, bf16), u = load1(xr, inter + i, bf16);
+            store1(o, i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
         }
     }
     return 0;

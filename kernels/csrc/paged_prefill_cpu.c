@@ -42,28 +42,6 @@ static inline int64_t table_at(const void *tables, int i64, int64_t at) {
     return i64 ? ((const int64_t *)tables)[at] : ((const int32_t *)tables)[at];
 }
 
-static inline float widen1(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline void narrow1(void *p, int64_t i, float v, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = v;
-        return;
-    }
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u)
-        b = (b >> 16) | 0x40;
-    else
-        b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    ((uint16_t *)p)[i] = (uint16_t)b;
-}
-
 typedef struct {
     const void *q, *k, *v, *tables;
     void *out;
@@ -166,7 +144,7 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
         for (int64_t g = 0; g < G; g++) {
             const int64_t src = ((start + i0 + i) * a->hq + h * G + g) * d, r = i * G + g;
             for (int64_t c = 0; c < d; c++)
-                s->q[r * d + c] = widen1(a->q, src + c, a->q_bf16) * a->scale;
+                s->q[r * d + c] = load1(a->q, src + c, a->q_bf16) * a->scale;
             memset(s->o + r * d, 0, (size_t)d * sizeof(float));
             s->m[r] = -INFINITY;
             s->l[r] = 0.0f;
@@ -186,7 +164,7 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
             const int64_t blk = table_at(tables, a->tables_i64, t / a->block_size);
             const int64_t off = (blk * a->block_size + t % a->block_size) * row + h * d;
             for (int64_t c = 0; c < d; c++)
-                s->kt[c * KT + u] = widen1(a->k, off + c, a->cache_bf16);
+                s->kt[c * KT + u] = load1(a->k, off + c, a->cache_bf16);
             for (int64_t c = 0; c < d; c += 16) {
                 const v16f vr = load16(a->v, off + c, a->cache_bf16);
                 memcpy(s->v + u * d + c, &vr, sizeof vr);
@@ -202,7 +180,7 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
         const int64_t dst = ((start + i0 + i) * a->hq + h * G + g) * d;
         const float inv = 1.0f / s->l[r];
         for (int64_t c = 0; c < d; c++)
-            narrow1(a->out, dst + c, s->o[r * d + c] * inv, a->q_bf16);
+            store1(a->out, dst + c, s->o[r * d + c] * inv, a->q_bf16);
     }
 }
 

@@ -1,7 +1,7 @@
 /* 16-lane float vectors (GCC/Clang vector extensions: one AVX-512 register, or two AVX2
- * ones) and the few operations on them that more than one C kernel uses. Included by
- * layer_ops_cpu.c and paged_decode_wide_cpu.c; kernels/cpu_native.py hashes it with the
- * sources, so a change rebuilds the library. */
+ * ones) and the few operations on them, and on single bf16 values, that more than one C
+ * kernel uses. Included by several sources; kernels/cpu_native.py hashes it with them,
+ * so a change rebuilds the library. */
 #ifndef DEEPINFER_VEC16_H
 #define DEEPINFER_VEC16_H
 
@@ -12,6 +12,35 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* One bf16 value (fp32's top half) as a float. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* A float rounded to bf16, to nearest even as torch's copy does; NaN stays a quiet NaN. */
+static inline uint16_t f32_to_bf16(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* Element i of p as a float (bf16 or fp32), and a float stored there (rounded). */
+static inline float load1(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store1(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
 
 /* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
 static inline v16f vsel16(v16i m, v16f a, v16f b) {
