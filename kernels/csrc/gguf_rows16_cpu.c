@@ -387,7 +387,6 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     if (m <= 0) return 0;
     const int64_t nx = k / 32, ldq = k / 4, groups = n / GROUP;
     const size_t es = x_bf16 ? 2 : 4;
-    /* Every x row quantized once, up front: codes, then per row and block dx and sx. */
     int8_t *q = aligned_alloc(64, ((size_t)(m * k) + 63) / 64 * 64);
     float *dx = malloc((size_t)(2 * m * nx) * sizeof(float));
     if (!q || !dx) {
@@ -396,23 +395,28 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
         return NO_MEMORY;
     }
     float *sx = dx + m * nx;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
-                     dx + r * nx, sx + r * nx);
     group_fn *const *fns = qtype == Q4_K ? Q4K_FNS : GROUP_FNS;
     const size_t os = out_bf16 ? 2 : 4;
-    /* Row groups split over threads; each runs every x row over its group (read from L1
-     * or L2 for every 8 x rows after the first). */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *grp = w + g * GROUP * nb * bb;
-        for (int64_t r = 0; r < m; r += XR) {
-            const int64_t cnt = m - r < XR ? m - r : XR;
-            const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx, sx + r * nx, ldq,
-                              nx};
-            fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os, ldo,
-                     g * GROUP, out_bf16);
+    /* One parallel region a call (a decode step makes ~120 of these calls): every x row
+     * quantized once, up front (codes, then per row and block dx and sx), then the row
+     * groups split over the threads, each running every x row over its group (read from
+     * L1 or L2 for every 8 x rows after the first). */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
+                         dx + r * nx, sx + r * nx);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *grp = w + g * GROUP * nb * bb;
+            for (int64_t r = 0; r < m; r += XR) {
+                const int64_t cnt = m - r < XR ? m - r : XR;
+                const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx, sx + r * nx,
+                                  ldq, nx};
+                fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os, ldo,
+                         g * GROUP, out_bf16);
+            }
         }
     }
     free(q);
