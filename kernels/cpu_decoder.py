@@ -69,25 +69,19 @@ def _weight_fields(w: BlockWeight, n: int, k: int, types: frozenset[int]) -> lis
     weight keeps ``ROWS16_FLAG`` in its type)."""
     if w.qtype == BF16_TYPE:
         return _dense_fields(w, n, k)
-    if w.qtype & ROWS16_FLAG:
-        qtype = w.qtype & ~ROWS16_FLAG
+    packed, qtype = bool(w.qtype & ROWS16_FLAG), w.qtype & ~ROWS16_FLAG
+    if packed:
         if not rows16_usable(w.blocks, qtype):
             return None
-        try:
-            _, _, cols = check_gguf_blocks(w.blocks, qtype, torch.device("cpu"))
-        except ValueError:
-            return None
-        return None if cols != k or w.blocks.shape[0] != n else [
-            w.blocks.data_ptr(), w.blocks.stride(0), w.qtype]
-    if w.qtype not in types or w.blocks.dtype != torch.uint8 or not w.blocks.is_cpu:
+    elif qtype not in types or w.blocks.dtype != torch.uint8 or not w.blocks.is_cpu:
         return None
     try:
-        blocks, fmt, cols = check_gguf_blocks(w.blocks, w.qtype, torch.device("cpu"))
+        blocks, _, cols = check_gguf_blocks(w.blocks, qtype, torch.device("cpu"))
     except ValueError:
         return None
     if cols != k or blocks.shape[0] != n or blocks.data_ptr() != w.blocks.data_ptr():
         return None
-    return [blocks.data_ptr(), blocks.stride(0), fmt.type_id]
+    return [blocks.data_ptr(), blocks.stride(0), w.qtype]
 
 
 def _projection_fields(w: Projection, n: int, k: int, types: frozenset[int]

@@ -29,8 +29,7 @@ from deepinfer_kernels.cpu_native import native_library
 from deepinfer_kernels.validation import check_gguf_blocks, fail
 
 __all__ = ["GROUP_ROWS", "bind_rows16_lookup", "bind_rows16_matmul", "pack_rows16",
-           "rows16_matmul",
-           "rows16_types", "rows16_usable", "unpack_rows16"]
+           "rows16_matmul", "rows16_types", "rows16_usable", "unpack_rows16"]
 
 #: Rows a group packs together: a weight's row count must be a multiple.
 GROUP_ROWS = 16
@@ -56,13 +55,20 @@ def rows16_usable(blocks: torch.Tensor, qtype: int) -> bool:
             and blocks.shape[0] > 0 and blocks.is_contiguous())
 
 
-def _repack(blocks: torch.Tensor, qtype: int, unpack: bool) -> None:
+def _checked(blocks: torch.Tensor, qtype: int):
+    """``check_gguf_blocks`` plus what the row-group kernel needs (``rows16_usable``):
+    the blocks, their format and K; ``ValueError`` naming ``blocks`` otherwise."""
     b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
-    if not rows16_usable(blocks, fmt.type_id) or b.data_ptr() != blocks.data_ptr():
+    if not rows16_usable(b, fmt.type_id):
         fail("blocks", f"contiguous CPU {fmt.name} rows, a multiple of {GROUP_ROWS}, of a "
              f"type in {sorted(rows16_types())}", f"{tuple(blocks.shape)} {fmt.name}")
-    rc = native_library().gguf_rows16_pack(blocks.data_ptr(), blocks.shape[0], k,
-                                           fmt.type_id, int(unpack), torch.get_num_threads())
+    return b, fmt, k
+
+
+def _repack(blocks: torch.Tensor, qtype: int, unpack: bool) -> None:
+    b, fmt, k = _checked(blocks, qtype)
+    rc = native_library().gguf_rows16_pack(b.data_ptr(), b.shape[0], k, fmt.type_id,
+                                           int(unpack), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"gguf_rows16_pack: {_ERRORS.get(rc, rc)}")
 
@@ -105,24 +111,14 @@ def rows16_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
     x: ``[M, K]`` float32, bfloat16 or float16 on the CPU; blocks: the packed uint8
     ``[N, row_bytes]``. Returns ``[M, N]`` in x's dtype (int8 activations, fp32 sums).
     ``ValueError`` naming the argument on bad input."""
-    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
-    if not rows16_usable(b, fmt.type_id):
-        fail("blocks", f"packed {fmt.name} rows, a multiple of {GROUP_ROWS}, contiguous",
-             tuple(blocks.shape))
-    if x.dim() != 2 or x.shape[1] != k or not x.is_cpu or not x.is_floating_point():
-        fail("x", f"a float CPU tensor [M, {k}]", f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    y = _run(native_library(), _as_input(x), b.data_ptr(), b.shape[0], k, fmt.type_id)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return bind_rows16_matmul(blocks, qtype)(x)
 
 
 def bind_rows16_matmul(blocks: torch.Tensor, qtype: int
                        ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Check a packed weight once; returns ``f(x)`` = :func:`rows16_matmul` ``(x,
     blocks, qtype)`` checking only x per call. It holds ``blocks`` (and its address)."""
-    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
-    if not rows16_usable(b, fmt.type_id):
-        fail("blocks", f"packed {fmt.name} rows, a multiple of {GROUP_ROWS}, contiguous",
-             tuple(blocks.shape))
+    b, fmt, k = _checked(blocks, qtype)
     lib, n, w_ptr, type_id = native_library(), b.shape[0], b.data_ptr(), fmt.type_id
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
@@ -142,10 +138,7 @@ def bind_rows16_lookup(blocks: torch.Tensor, qtype: int, dtype: torch.dtype
     CPU -> their rows ``[T, K]`` in ``dtype``, each gathered back to its row-major blocks
     and then dequantized (``cpu_gguf.dequantize_gguf``: the same values as a lookup on
     the unpacked weight). ``IndexError`` naming an id outside the rows."""
-    b, fmt, k = check_gguf_blocks(blocks, qtype, torch.device("cpu"))
-    if not rows16_usable(b, fmt.type_id):
-        fail("blocks", f"packed {fmt.name} rows, a multiple of {GROUP_ROWS}, contiguous",
-             tuple(blocks.shape))
+    b, fmt, k = _checked(blocks, qtype)
     lib, n, w_ptr, type_id, row_bytes = (native_library(), b.shape[0], b.data_ptr(),
                                          fmt.type_id, b.shape[1])
 

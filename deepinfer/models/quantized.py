@@ -119,7 +119,7 @@ def _repacks(module: nn.Module, dtype: torch.dtype) -> bool:
     """Whether a layer's blocks go to the CPU's row-group int8 kernel: 16-bit
     activations (fp32 ones keep the exact kernels) and a weight it takes; always once
     packed (its bytes are then only readable by that kernel)."""
-    return module.rows16 or (dtype in (torch.bfloat16, torch.float16) and module.weight.is_cpu
+    return module.rows16 or (dtype in (torch.bfloat16, torch.float16)
                              and rows16_usable(module.weight, module.qtype))
 
 
