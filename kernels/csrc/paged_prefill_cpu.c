@@ -46,7 +46,7 @@ typedef struct {
     const void *q, *k, *v, *tables;
     void *out;
     const int32_t *starts, *lens;
-    int64_t hq, hkv, d, block_size, table_width, table_stride;
+    int64_t hq, hkv, d, block_size, table_stride;
     float scale;
     int q_bf16, cache_bf16, tables_i64;
 } prefill_args;
@@ -224,7 +224,7 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
     }
     qsort(work, (size_t)items, sizeof(item), costlier_first);
     const prefill_args a = {q, k_cache, v_cache, tables, out, starts, lens, hq, hkv, d,
-                            block_size, table_width, table_stride, scale, q_bf16, cache_bf16,
+                            block_size, table_stride, scale, q_bf16, cache_bf16,
                             tables_i64};
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
