@@ -9,8 +9,8 @@ Parts, each measured here, now:
 1. copy bandwidth: a 256 MB ``torch`` copy, counted as bytes read per second (what a
    decode step that reads every weight once is bound by);
 2. per block type, a 12288 x 2304 weight (the issue's shape): ``x @ W.T`` at M = 1, 16
-   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``; for Q4_0/Q4_1/Q8_0/Q4_K also
-   repacked in row groups, ``cpu_gguf_rows16``, the path bf16 models take) against
+   and 128 rows on the blocks (``deepinfer_kernels.cpu_gguf``; for the types it takes
+   also repacked in row groups, ``cpu_gguf_rows16``, the path bf16 models take) against
    ``F.linear`` on the dequantized weight in bf16 and fp32; effective GB/s of the
    quantized bytes by the faster bf16-x path;
 3. end to end on the default model (SmolLM2-135M-Instruct Q4_1, one chat prompt, greedy,
@@ -24,7 +24,8 @@ Parts, each measured here, now:
 
 Decode tok/s is (128 - 1) / (t(128 tokens) - t(1 token)): the prefill and the first token
 are taken out, as llama.cpp's own decode figure does. Medians of ``--reps``.
-``--save`` writes ``benchmarks/results/quant-cpu.{json,md}``. The ``test_`` functions at
+``--save`` writes ``benchmarks/results/quant-cpu.{json,md}`` (with ``--model``:
+``quant-cpu-<file name>.{json,md}``). The ``test_`` functions at
 the bottom run tiny sizes so the suite exercises this file (sanity, never timing).
 """
 
@@ -343,13 +344,16 @@ def main(argv: list[str] | None = None) -> None:
             "date": utc_now(), "torch": torch.__version__, "triton": "n/a",
             "model": os.path.basename(path), "copy_gb_s": round(bandwidth / 1e9, 2)}
     if a.save:
-        _save(meta, kernels, engines, peer, parts, n, k, scan)
+        stem = "quant-cpu" if a.model is None else (
+            "quant-cpu-" + os.path.basename(a.model).removesuffix(".gguf"))
+        _save(meta, kernels, engines, peer, parts, n, k, scan, stem)
 
 
 def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | None,
-          parts: dict[str, dict[str, float]], n: int, k: int, scan: list[dict]) -> None:
+          parts: dict[str, dict[str, float]], n: int, k: int, scan: list[dict],
+          stem: str = "quant-cpu") -> None:
     out = HERE / "results"
-    (out / "quant-cpu.json").write_text(json.dumps(
+    (out / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "kernels": kernels, "engines": engines, "breakdown_ms": parts,
          "decode_steps": scan, "llamacpp": peer and peer["raw"]}, indent=1) + "\n")
     lines = header_lines("GGUF weights kept quantized", meta,
@@ -368,8 +372,8 @@ def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | Non
     if kernels:
         lines += [f"## Kernels: {n} x {k} weight, ms per call", ""]
         lines += table_lines(list(kernels[0]), kernels) + [""]
-    (out / "quant-cpu.md").write_text("\n".join(lines))
-    print(f"wrote {out / 'quant-cpu.md'}")
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    print(f"wrote {out / f'{stem}.md'}")
 
 
 # ------------------------------------------------------------------ sanity (suite)

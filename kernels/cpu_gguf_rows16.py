@@ -1,7 +1,9 @@
 """GGUF weights repacked in groups of 16 rows for int8 products on the CPU
-(``kernels/csrc/gguf_rows16_cpu.c``): Q4_0, Q4_1, Q8_0 and Q4_K on CPUs with AVX512-VNNI.
-(Q6_K, written the same way, lost to the row-major kernels from some tens of rows: its
-scale per 16 weights and 6-bit codes cost more per register tile; it stays row-major.)
+(``kernels/csrc/gguf_rows16*.c``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K on CPUs with
+AVX512-VNNI, and Q6_K where the CPU has AVX512-BF16 as well. Q6_K's int8 products cost
+more per x row than the other types' (a scale per 16 weights), so from
+:func:`rows16_bf16_min_rows` x rows on it decodes each row group to bf16 once a call
+and multiplies bf16 x (fp32 x rounded to bf16 first) instead.
 
 A weight is repacked once, in place, after loading (:func:`pack_rows16`: the same bytes,
 rearranged within each 16-row group, so the resident size is the file's); from then on
@@ -29,7 +31,8 @@ from deepinfer_kernels.cpu_native import native_library
 from deepinfer_kernels.validation import check_gguf_blocks, fail
 
 __all__ = ["GROUP_ROWS", "bind_rows16_lookup", "bind_rows16_matmul", "pack_rows16",
-           "rows16_matmul", "rows16_types", "rows16_usable", "unpack_rows16"]
+           "rows16_bf16_min_rows", "rows16_matmul", "rows16_types", "rows16_usable",
+           "unpack_rows16"]
 
 #: Rows a group packs together: a weight's row count must be a multiple.
 GROUP_ROWS = 16
@@ -45,6 +48,14 @@ def rows16_types() -> frozenset[int]:
         return frozenset()
     mask = lib.gguf_rows16_types()
     return frozenset(i for i in range(64) if (mask >> i) & 1)
+
+
+def rows16_bf16_min_rows(qtype: int) -> int | None:
+    """The x rows from which a packed ``qtype`` weight is multiplied in bf16 (the group
+    decoded once, x rounded to bf16) instead of with int8 x; None: never."""
+    lib = native_library()
+    rows = lib.gguf_rows16_bf16_min_m(qtype) if lib is not None else 0
+    return rows or None
 
 
 def rows16_usable(blocks: torch.Tensor, qtype: int) -> bool:

@@ -42,11 +42,12 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # decode step's whole stack of layers made of them, and token sampling.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
-           _CSRC / "gguf_rows16_cpu.c", _CSRC / "paged_prefill_cpu.c",
+           _CSRC / "gguf_rows16_cpu.c", _CSRC / "gguf_rows16_pack.c",
+           _CSRC / "gguf_rows16_q6k.c", _CSRC / "paged_prefill_cpu.c",
            _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
-HEADERS = (_CSRC / "vec16.h",)
+HEADERS = (_CSRC / "vec16.h", _CSRC / "gguf_rows16.h")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
@@ -63,6 +64,7 @@ _SIGNATURES = {
                            _I32],
     "gguf_gemm_bf16_available": [],
     "gguf_rows16_types": [],
+    "gguf_rows16_bf16_min_m": [_I32],
     "gguf_rows16_pack": [_PTR, _I64, _I64, _I32, _I32, _I32],
     "gguf_rows16_gather": [_PTR, _I64, _I64, _I32, _PTR, _I64, _PTR],
     "gguf_rows16_matmul": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I32, _PTR, _I64, _I32,

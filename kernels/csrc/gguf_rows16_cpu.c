@@ -1,6 +1,7 @@
-/* GGUF Q4_0, Q4_1, Q8_0 and Q4_K weights repacked in groups of 16 rows, times int8-quantized
- * activations (AVX512-VNNI), for any number of x rows. Built with the other C kernels by
- * kernels/cpu_native.py.
+/* GGUF weights repacked in groups of 16 rows (gguf_rows16.h; packed by
+ * gguf_rows16_pack.c) times int8-quantized activations (AVX512-VNNI), for any number of x
+ * rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K here, Q6_K in gguf_rows16_q6k.c. Built with
+ * the other C kernels by kernels/cpu_native.py.
  *
  * Why: the row-major blocks make every product pay for a layout change. The int8 GEMV
  * sums each row's lanes at the end of each dot product, and the bf16 GEMM decodes each
@@ -12,23 +13,11 @@
  * (d * dx) and the offset term added (m * dx * sum of x codes). No lane sums, no decode
  * tables, no transposes per call; a weight is read as stored, 4.5-8.5 bits.
  *
- * Layout ("rows16"): rows 16g..16g+15 (contiguous, row_bytes apart) become, block by
- * block, one chunk of 16 x block_bytes bytes (so a row group keeps its size and place):
- *   Q4_0  d[16] fp16, then 4 vectors v of 64 bytes: lane i = bytes 4v..4v+3 of row i's qs
- *         (low nibbles: weights 4v..4v+3, high: 16+4v..), 16 x 18 bytes
- *   Q4_1  d[16], m[16] fp16, then the same 4 vectors, 16 x 20 bytes
- *   Q8_0  d[16] fp16, then 8 vectors q of 64 bytes: lane i = weights 4q..4q+3 of row i,
- *         each + 128 (xor 0x80: unsigned, as vpdpbusd wants), 16 x 34 bytes
- *   Q4_K  per super-block of 256: d[16], dmin[16], then 35 vectors, lane i = word w of
- *         row i's bytes after them (3 of packed 6-bit scales and mins, 32 of codes),
- *         16 x 144 bytes; each sub-block of 32 is scaled as a 32-weight block is
- * (Generally: a block's fp16 fields become 32-byte vectors of the 16 rows' values and its
- * other bytes, as 32-bit words, 64-byte vectors of the 16 rows' words: `layout` below.)
  * Numbers: x is quantized per block of 32 to int8 codes with one fp32 scale dx (round to
  * nearest, as gguf_int8_cpu.c), products summed exactly in int32 per block, then
  * out += (d * dx) * sum + m' * (dx * sum of codes) in fp32, block by block, where m' is
- * Q4_1's m, -8 d for Q4_0 and -128 d for Q8_0 (Q4_K: d * scale_j and -dmin * min_j per
- * sub-block j).
+ * Q4_1's and Q5_1's m, -8 d for Q4_0, -16 d for Q5_0 and -128 d for Q8_0 (Q4_K: d *
+ * scale_j and -dmin * min_j per sub-block j).
  *   x [M, K] float32 or bfloat16 (x_bf16), rows ldx apart; w [N, row_bytes] packed, N a
  *   multiple of 16, rows contiguous; out [M, N] float32 or bfloat16 (out_bf16), ldo apart.
  */
@@ -36,141 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && \
-    defined(__F16C__)
-#include <immintrin.h>
-#define HAVE_ROWS16 1
-#endif
-
-#define BAD_TYPE 1
-#define BAD_SHAPE 2
-#define NO_MEMORY 3
-#define GROUP 16
-#define Q4_0 2
-#define Q4_1 3
-#define Q8_0 8
-#define Q4_K 12
-
-/* Bit i set: ggml type id i has this kernel in this build (none without VNNI). */
-int64_t gguf_rows16_types(void) {
-#ifdef HAVE_ROWS16
-    return (1 << Q4_0) | (1 << Q4_1) | (1 << Q8_0) | (1 << Q4_K);
-#else
-    return 0;
-#endif
-}
-
-/* A block as fp16 fields and 32-bit words: `halves` fp16 at byte `half_at`, `words`
- * words at byte `word_at` (every other byte; Q8_0's flipped by `flip`). Packed, a chunk
- * is each half as a 32-byte vector of the 16 rows' values, then each word as a 64-byte
- * vector of the 16 rows' words. */
-typedef struct {
-    int64_t bytes, weights, half_at, halves, word_at, words;
-    uint8_t flip;
-} layout;
-
-static int layout_of(int32_t qtype, layout *l) {
-    static const layout q4_0 = {18, 32, 0, 1, 2, 4, 0}, q4_1 = {20, 32, 0, 2, 4, 4, 0},
-                        q8_0 = {34, 32, 0, 1, 2, 8, 0x80}, q4_k = {144, 256, 0, 2, 4, 35, 0};
-    switch (qtype) {
-    case Q4_0: *l = q4_0; return 1;
-    case Q4_1: *l = q4_1; return 1;
-    case Q8_0: *l = q8_0; return 1;
-    case Q4_K: *l = q4_k; return 1;
-    default: return 0;
-    }
-}
-
-/* A [n, k] weight's blocks per row and bytes per block; 0, BAD_TYPE or BAD_SHAPE (n not
- * whole groups, k not whole blocks). */
-static int64_t geometry(int32_t qtype, int64_t n, int64_t k, int64_t *nb, int64_t *bb) {
-    layout l;
-    if (!layout_of(qtype, &l)) return BAD_TYPE;
-    if (n % GROUP || k <= 0 || k % l.weights) return BAD_SHAPE;
-    *nb = k / l.weights;
-    *bb = l.bytes;
-    return 0;
-}
-
-/* One chunk (16 rows' block b) between row-major blocks and the packed layout. `rows`:
- * the 16 rows' block b, row_bytes apart; `chunk`: its 16 x bb packed bytes. */
-static void pack_chunk(const uint8_t *rows, int64_t row_bytes, int32_t qtype, uint8_t *chunk) {
-    layout l;
-    layout_of(qtype, &l);
-    uint8_t *words = chunk + 32 * l.halves;
-    for (int64_t i = 0; i < GROUP; i++) {
-        const uint8_t *blk = rows + i * row_bytes;
-        for (int64_t h = 0; h < l.halves; h++)
-            memcpy(chunk + h * 32 + 2 * i, blk + l.half_at + 2 * h, 2);
-        for (int64_t v = 0; v < l.words; v++)
-            for (int64_t j = 0; j < 4; j++)
-                words[v * 64 + 4 * i + j] = blk[l.word_at + 4 * v + j] ^ l.flip;
-    }
-}
-
-/* Row i (0..15) of a chunk back to its row-major block `blk`. */
-static void unpack_row(const uint8_t *chunk, int32_t qtype, int64_t i, uint8_t *blk) {
-    layout l;
-    layout_of(qtype, &l);
-    const uint8_t *words = chunk + 32 * l.halves;
-    for (int64_t h = 0; h < l.halves; h++)
-        memcpy(blk + l.half_at + 2 * h, chunk + h * 32 + 2 * i, 2);
-    for (int64_t v = 0; v < l.words; v++)
-        for (int64_t j = 0; j < 4; j++)
-            blk[l.word_at + 4 * v + j] = words[v * 64 + 4 * i + j] ^ l.flip;
-}
-
-static void unpack_chunk(const uint8_t *chunk, int32_t qtype, uint8_t *rows, int64_t row_bytes) {
-    for (int64_t i = 0; i < GROUP; i++) unpack_row(chunk, qtype, i, rows + i * row_bytes);
-}
-
-/* Rows ids[0..t) of a packed w [n, k] as row-major blocks into out [t, row_bytes] (an
- * embedding's lookup). Returns 0, BAD_TYPE, BAD_SHAPE, or 5 + the first id's position
- * when an id is outside 0..n-1 (nothing written for it). */
-int64_t gguf_rows16_gather(const uint8_t *w, int64_t n, int64_t k, int32_t qtype,
-                           const int64_t *ids, int64_t t, uint8_t *out) {
-    int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
-    if (rc) return rc;
-    const int64_t row_bytes = nb * bb;
-    for (int64_t r = 0; r < t; r++) {
-        const int64_t id = ids[r];
-        if (id < 0 || id >= n) return 5 + r;
-        const uint8_t *grp = w + (id / GROUP) * GROUP * row_bytes;
-        for (int64_t b = 0; b < nb; b++)
-            unpack_row(grp + b * GROUP * bb, qtype, id % GROUP, out + r * row_bytes + b * bb);
-    }
-    return 0;
-}
-
-/* Row-major blocks w [n, k / block weights] (rows contiguous) to the
- * packed layout in place (unpack: back). Returns 0, BAD_TYPE, BAD_SHAPE (n not whole
- * groups, k not whole blocks) or NO_MEMORY. */
-int64_t gguf_rows16_pack(uint8_t *w, int64_t n, int64_t k, int32_t qtype, int32_t unpack,
-                         int32_t threads) {
-    int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
-    if (rc) return rc;
-    const int64_t row_bytes = nb * bb, groups = n / GROUP;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        uint8_t *tmp = malloc((size_t)(GROUP * row_bytes));
-        failed = tmp == NULL;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (failed) continue;
-            uint8_t *base = w + g * GROUP * row_bytes;
-            memcpy(tmp, base, (size_t)(GROUP * row_bytes));
-            for (int64_t b = 0; b < nb; b++) {
-                if (unpack)
-                    unpack_chunk(tmp + b * GROUP * bb, qtype, base + b * bb, row_bytes);
-                else
-                    pack_chunk(tmp + b * bb, row_bytes, qtype, base + b * GROUP * bb);
-            }
-        }
-        free(tmp);
-    }
-    return failed ? NO_MEMORY : 0;
-}
+#include "gguf_rows16.h"
 
 #ifdef HAVE_ROWS16
 static inline __m512 load16(const void *x, int64_t i, int bf16) {
@@ -180,10 +35,10 @@ static inline __m512 load16(const void *x, int64_t i, int bf16) {
 }
 
 /* One x row -> int8 codes q [nx * 32], per block of 32 its scale dx [nx] (x ~= dx * q)
- * and dx * (sum of its codes) sx [nx]. The codes are those of gguf_int8_cpu.c's
- * quantizer: 127 / amax times x, rounded to nearest even. */
+ * and dx * (sum of its codes) sx [nx], and the codes' sums per 16 hx [2 nx]. The codes
+ * are those of gguf_int8_cpu.c's quantizer: 127 / amax times x, rounded to nearest even. */
 static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *dx,
-                         float *sx) {
+                         float *sx, int32_t *hx) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t b = 0; b < nx; b++) {
         __m512 v0 = load16(x, b * 32, bf16), v1 = load16(x, b * 32 + 16, bf16);
@@ -195,40 +50,10 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(q + b * 32 + 16), _mm512_cvtepi32_epi8(c1));
         dx[b] = amax / 127.0f;
-        sx[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        hx[2 * b] = _mm512_reduce_add_epi32(c0);
+        hx[2 * b + 1] = _mm512_reduce_add_epi32(c1);
+        sx[b] = dx[b] * (float)(hx[2 * b] + hx[2 * b + 1]);
     }
-}
-
-/* 16 fp32 outputs at `at`, or rounded to bf16 (nearest even; NaN stays NaN). */
-static inline void store16(void *out, int64_t at, __m512 v, int out_bf16) {
-    if (!out_bf16) {
-        _mm512_storeu_ps((float *)out + at, v);
-        return;
-    }
-#ifdef __AVX512BF16__
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(v));
-#else /* VNNI without AVX512-BF16 (Cascade Lake, Ice Lake): the rounding in integers */
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(r));
-#endif
-}
-
-/* The quantized x rows a kernel call reads: codes as 32-bit quads (rows ldq quads
- * apart), and per row nx scales and code sums. */
-typedef struct {
-    const int32_t *q;
-    const float *dx, *sx;
-    int64_t ldq, nx;
-} xrows;
-
-static inline __m512 halves16(const uint8_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* acc[r] += (scale * dx_r) * sum_r + offset * s_r over R rows: one block's integer sums
@@ -282,6 +107,59 @@ static inline __m512 halves16(const uint8_t *p) {
                         s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xb[v]));   \
                         s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xb[v + 4]));\
                     }                                                                     \
+                }                                                                         \
+            }                                                                             \
+            SCALE_INTO(R, acc, s, d, m, dxs, sxs)                                         \
+        }                                                                                 \
+        for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
+    }
+
+/* Q5_0 and Q5_1: Q4_0's and Q4_1's nibbles plus a fifth bit a weight from the row's qh
+ * word (bit j: weight j). vpshufb spreads qh byte c of each lane over its four bytes
+ * (rep[c]); byte j of quad v's low codes takes bit 4(v & 1) + j of byte v / 2, its high
+ * codes the same bit of byte 2 + v / 2, added as 16 where set (a mask test). */
+#define Q5_KERNEL(R)                                                                      \
+    static void q5_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,     \
+                       void *out, int64_t ldo, int64_t j0, int out_bf16) {                \
+        layout l;                                                                         \
+        layout_of(qtype, &l);                                                             \
+        const int64_t bb = l.bytes * GROUP;                                               \
+        const int q51 = qtype == Q5_1;                                                    \
+        const __m512i nib = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);       \
+        const __m512i lanes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);   \
+        const __m512i sel[2] = {_mm512_set1_epi32(0x08040201),                            \
+                                _mm512_set1_epi32((int)0x80402010)};                      \
+        __m512 acc[R];                                                                    \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                         \
+        for (int64_t b = 0; b < nb; b++) {                                                \
+            const uint8_t *c = grp + b * bb;                                              \
+            __m512 d = halves16(c);                                                       \
+            __m512 m = q51 ? halves16(c + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f)); \
+            const uint8_t *words = c + 32 * l.halves;                                     \
+            const __m512i qh = _mm512_loadu_si512(words);                                 \
+            __m512i rep[4];                                                               \
+            for (int e = 0; e < 4; e++)                                                   \
+                rep[e] = _mm512_shuffle_epi8(                                             \
+                    qh, _mm512_add_epi8(lanes, _mm512_set1_epi8((char)e)));               \
+            __m512i s[R];                                                                 \
+            float dxs[R], sxs[R];                                                         \
+            for (int r = 0; r < R; r++) {                                                 \
+                s[r] = _mm512_setzero_si512();                                            \
+                dxs[r] = x->dx[r * x->nx + b];                                            \
+                sxs[r] = x->sx[r * x->nx + b];                                            \
+            }                                                                             \
+            for (int v = 0; v < 4; v++) {                                                 \
+                __m512i w = _mm512_loadu_si512(words + 64 + 64 * v);                      \
+                __m512i lo = _mm512_and_si512(w, nib);                                    \
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);              \
+                lo = _mm512_mask_add_epi8(                                                \
+                    lo, _mm512_test_epi8_mask(rep[v >> 1], sel[v & 1]), lo, fifth);       \
+                hi = _mm512_mask_add_epi8(                                                \
+                    hi, _mm512_test_epi8_mask(rep[2 + (v >> 1)], sel[v & 1]), hi, fifth); \
+                for (int r = 0; r < R; r++) {                                             \
+                    const int32_t *xb = x->q + r * x->ldq + b * 8;                        \
+                    s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xb[v]));       \
+                    s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xb[v + 4]));   \
                 }                                                                         \
             }                                                                             \
             SCALE_INTO(R, acc, s, d, m, dxs, sxs)                                         \
@@ -349,7 +227,7 @@ static inline __m512 halves16(const uint8_t *p) {
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
 
-#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q4K_KERNEL(R)
+#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q5_KERNEL(R) Q4K_KERNEL(R)
 BOTH_KERNELS(1)
 BOTH_KERNELS(2)
 BOTH_KERNELS(3)
@@ -361,16 +239,29 @@ BOTH_KERNELS(8)
 #undef BOTH_KERNELS
 #undef Q4K_KERNEL
 #undef GROUP_KERNEL
+#undef Q5_KERNEL
 #undef SCALE_INTO
-#define XR 8 /* x rows a kernel call: 8 fp32 outputs + 8 int32 sums + weights in 32 zmm */
-
-typedef void group_fn(const uint8_t *, int32_t, int64_t, const xrows *, void *, int64_t,
-                      int64_t, int);
 static group_fn *const GROUP_FNS[XR + 1] = {NULL, group_1, group_2, group_3, group_4,
                                             group_5, group_6, group_7, group_8};
 static group_fn *const Q4K_FNS[XR + 1] = {NULL, q4k_1, q4k_2, q4k_3, q4k_4, q4k_5, q4k_6,
                                           q4k_7, q4k_8};
+static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_6, q5_7,
+                                         q5_8};
 #endif
+
+/* Q6_K from this many x rows takes the bf16 path (gguf_rows16_q6k.c; measured with
+ * benchmarks/bench_quant.py's kernel rows). */
+#define Q6K_BF16_MIN_M 40
+
+/* The x rows from which `qtype` takes a bf16 path rather than int8 products; 0: never. */
+int64_t gguf_rows16_bf16_min_m(int32_t qtype) {
+#if defined(HAVE_ROWS16) && defined(__AVX512BF16__)
+    return qtype == Q6_K ? Q6K_BF16_MIN_M : 0;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
 
 /* x [m, k] @ W.T for W [n, k] packed as above -> out [m, n]. Returns 0, BAD_TYPE,
  * BAD_SHAPE, NO_MEMORY, or BAD_TYPE for every type in a build without VNNI. */
@@ -385,17 +276,24 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
     if (rc) return rc;
     if (m <= 0) return 0;
+    if (qtype == Q6_K && m >= Q6K_BF16_MIN_M)
+        return rows16_q6k_bf16_matmul(x, m, k, ldx, x_bf16, w, n, out, ldo, out_bf16,
+                                      threads);
     const int64_t nx = k / 32, ldq = k / 4, groups = n / GROUP;
     const size_t es = x_bf16 ? 2 : 4;
     int8_t *q = aligned_alloc(64, ((size_t)(m * k) + 63) / 64 * 64);
-    float *dx = malloc((size_t)(2 * m * nx) * sizeof(float));
+    float *dx = malloc((size_t)(4 * m * nx) * sizeof(float)); /* dx, sx, then hx */
     if (!q || !dx) {
         free(q);
         free(dx);
         return NO_MEMORY;
     }
     float *sx = dx + m * nx;
-    group_fn *const *fns = qtype == Q4_K ? Q4K_FNS : GROUP_FNS;
+    int32_t *hx = (int32_t *)(sx + m * nx);
+    group_fn *const *fns = qtype == Q4_K                   ? Q4K_FNS
+                           : qtype == Q6_K                 ? Q6K_FNS
+                           : qtype == Q5_0 || qtype == Q5_1 ? Q5_FNS
+                                                            : GROUP_FNS;
     const size_t os = out_bf16 ? 2 : 4;
     /* One parallel region a call (a decode step makes ~120 of these calls): every x row
      * quantized once, up front (codes, then per row and block dx and sx), then the row
@@ -406,14 +304,14 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
-                         dx + r * nx, sx + r * nx);
+                         dx + r * nx, sx + r * nx, hx + 2 * r * nx);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *grp = w + g * GROUP * nb * bb;
             for (int64_t r = 0; r < m; r += XR) {
                 const int64_t cnt = m - r < XR ? m - r : XR;
                 const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx, sx + r * nx,
-                                  ldq, nx};
+                                  hx + 2 * r * nx, ldq, nx};
                 fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os, ldo,
                          g * GROUP, out_bf16);
             }

@@ -1,5 +1,6 @@
-"""The row-group int8 kernel (``deepinfer_kernels.cpu_gguf_rows16``): Q4_0, Q4_1, Q8_0
-and Q4_K blocks repacked in 16-row groups, against the dequantized product in float64. Random
+"""The row-group kernels (``deepinfer_kernels.cpu_gguf_rows16``): Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K and Q6_K blocks repacked in 16-row groups, against the dequantized product in
+float64 (of int8-quantized x, or for Q6_K's many-row path of bf16 x and weights). Random
 blocks with negative and subnormal fp16 scales, fresh data per case, x rows across the
 kernel's 8-row tiles and remainders, fp32/bf16/fp16 activations; the packing's round
 trip; bad input."""
@@ -20,7 +21,7 @@ from tests.kernels.gguf_helpers import assert_product, make_blocks, ragged_k, rn
 pytestmark = pytest.mark.skipif(not rows16.rows16_types(),
                                 reason="no AVX512-VNNI build: no row-group kernel")
 
-NAMES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]
+NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
 N = 48  # three row groups
 # The output's own rounding, relative to |y|, by x's dtype (the result is written in it).
 OUT_ROUNDING = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -37,7 +38,11 @@ def _case(name: str, m: int, dtype: torch.dtype, *salt: object):
 
 
 def test_types_are_the_ones_the_kernel_packs():
-    assert rows16.rows16_types() == {GQ[n].value for n in NAMES}
+    """All of NAMES; Q6_K only where its many-row bf16 path is built (AVX512-BF16)."""
+    q6k = GQ.Q6_K.value
+    assert rows16.rows16_types() - {q6k} == {GQ[n].value for n in NAMES} - {q6k}
+    assert (q6k in rows16.rows16_types()) == (rows16.rows16_bf16_min_rows(q6k) is not None)
+    assert rows16.rows16_bf16_min_rows(GQ.Q4_0.value) is None
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -51,6 +56,12 @@ def test_pack_and_unpack_round_trip_in_place(name: str):
     assert torch.equal(blocks, torch.from_numpy(raw))
 
 
+def _takes_bf16(name: str, m: int) -> bool:
+    """Whether m x rows of a packed ``name`` weight take the bf16 path."""
+    rows = rows16.rows16_bf16_min_rows(GQ[name].value)
+    return rows is not None and m >= rows
+
+
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel quantizes it, in float64: per block of 32, codes round-to-nearest-
     even of x * (127 / amax) in fp32, times the step amax / 127 (fp32)."""
@@ -61,30 +72,56 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (amax / 127.0).double()).view(x.shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 19])
-@pytest.mark.parametrize("name", NAMES)
-def test_matmul_is_the_int8_product(name: str, m: int, dtype: torch.dtype):
-    """The kernel's result is the product of the int8-quantized x (``_int8_rows``) with
-    the weights, to fp32 sums and the output's rounding; and within the issue's 2e-2 of
-    the unquantized product for 16-bit x (the quantization moves an element by at most
-    half a step, 1/254 of its block's largest |x|). 1 row, the 8-row tile, a tile and a
-    remainder, two tiles and a remainder of 3; three groups of 16 weight rows."""
+def _check_product(name: str, m: int, dtype: torch.dtype) -> None:
+    """m rows of x through a packed ``name`` weight against the product in float64 of
+    what the kernel multiplies: int8-quantized x (``_int8_rows``) and the weights, to fp32
+    sums and the output's rounding; on Q6_K's many-row path x and the weights each
+    rounded to bf16, to fp32 sums over K. For 16-bit x, also within the issue's 2e-2 of
+    the unquantized product (int8 moves an element by at most half a step, 1/254 of its
+    block's largest |x|)."""
     fmt, raw, x = _case(name, m, dtype)
     blocks = torch.from_numpy(raw.copy())
     rows16.pack_rows16(blocks, fmt.type_id)
     y = rows16.rows16_matmul(x, blocks, fmt.type_id)
     assert y.dtype == dtype and y.shape == (m, N)
     w = torch.from_numpy(gguf_dequantize(raw, GQ(fmt.type_id))).double()
-    xq = _int8_rows(x)
-    want = xq @ w.T
-    bound = (xq.abs() @ w.abs().T) * 1e-5 + want.abs() * OUT_ROUNDING[dtype]
+    if _takes_bf16(name, m):
+        xq, wq = x.bfloat16().double(), w.float().bfloat16().double()
+        tol = 2.0**-23 * x.shape[1]  # fp32 sums: K roundings of 2^-24 at most
+    else:
+        xq, wq, tol = _int8_rows(x), w, 1e-5
+    want = xq @ wq.T
+    bound = (xq.abs() @ wq.abs().T) * tol + want.abs() * OUT_ROUNDING[dtype]
     assert bool(((y.double() - want).abs() <= bound).all())
     if dtype != torch.float32:
         assert_product(y, x, w.float(), 2e-2)
     bound_fn = rows16.bind_rows16_matmul(blocks, fmt.type_id)
     assert torch.equal(bound_fn(x), y)
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                 ids=["fp32", "bf16", "fp16"])
+
+
+@DTYPES
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 19])
+@pytest.mark.parametrize("name", NAMES)
+def test_matmul_is_the_int8_product(name: str, m: int, dtype: torch.dtype):
+    """1 row, the 8-row tile, a tile and a remainder, two tiles and a remainder of 3;
+    three groups of 16 weight rows (``_check_product``)."""
+    _check_product(name, m, dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("extra", [0, 3], ids=["tiles", "remainder"])
+def test_q6k_many_rows_take_the_bf16_product(extra: int, dtype: torch.dtype):
+    """From ``rows16_bf16_min_rows`` x rows on, Q6_K's groups are decoded to bf16 and
+    multiplied with bf16 x (whole 8-row tiles, and a remainder of 3)."""
+    rows = rows16.rows16_bf16_min_rows(GQ.Q6_K.value)
+    if rows is None:
+        pytest.skip("no AVX512-BF16: Q6_K is not packed")
+    assert _takes_bf16("Q6_K", rows) and not _takes_bf16("Q6_K", rows - 1)
+    _check_product("Q6_K", rows + extra, dtype)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -128,16 +128,16 @@ def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_pat
     assert torch.equal(fused_cache, plain_cache)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
-    """A tiny model of K-quant blocks (their sub-blocks through the int8 kernel where the
-    CPU has VNNI up to ``INT8_MAX_M`` rows, else the exact one; the bf16 GEMM from
-    ``INT8_MAX_M + 1`` rows, or from 2 without VNNI), bf16, 3 sequences:
-    the fused step and the per-layer path pick the same kernel per product, so the same
-    bits."""
+    """A tiny model of K-quant (or 5-bit) blocks, bf16, 3 sequences: repacked for the
+    row-group kernel where the CPU has it; else through the int8 kernel where the CPU has
+    VNNI up to ``INT8_MAX_M`` rows (the exact one without) and the bf16 GEMM from
+    ``INT8_MAX_M + 1`` rows (from 2 without VNNI). The fused step and the per-layer path
+    pick the same kernel per product, so the same bits."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
     model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
-    # Q4_K's layers are repacked for the row-group kernel where the CPU has it.
+    # Repacked for the row-group kernel where the CPU has it for the type.
     rows16 = GQ[qtype].value in rows16_types()
     assert model.model.layers[0].mlp.down_proj.rows16 == rows16
     assert model.decoder_stack.get(model, cpu_backend) is not None
