@@ -15,6 +15,8 @@
  *         0x80: unsigned, as vpdpbusd wants)
  *   Q4_K  per super-block of 256: d[16], dmin[16], then 35 vectors: 3 of packed 6-bit
  *         scales and mins, 32 of codes
+ *   Q5_K  per super-block of 256: d[16], dmin[16], then 43 vectors: Q4_K's 3 of scales
+ *         and mins, 8 of qh (fifth bits), 32 of codes
  *   Q6_K  per super-block of 256: d[16] (stored last in the block), then 52 vectors: 32
  *         of ql, 16 of qh, 4 of int8 scales
  */
@@ -39,6 +41,7 @@
 #define Q5_1 7
 #define Q8_0 8
 #define Q4_K 12
+#define Q5_K 13
 #define Q6_K 14
 
 /* A block as fp16 fields and 32-bit words: `halves` fp16 at byte `half_at`, `words`
@@ -52,7 +55,7 @@ static inline int layout_of(int32_t qtype, layout *l) {
     static const layout q4_0 = {18, 32, 0, 1, 2, 4, 0}, q4_1 = {20, 32, 0, 2, 4, 4, 0},
                         q5_0 = {22, 32, 0, 1, 2, 5, 0}, q5_1 = {24, 32, 0, 2, 4, 5, 0},
                         q8_0 = {34, 32, 0, 1, 2, 8, 0x80}, q4_k = {144, 256, 0, 2, 4, 35, 0},
-                        q6_k = {210, 256, 208, 1, 0, 52, 0};
+                        q5_k = {176, 256, 0, 2, 4, 43, 0}, q6_k = {210, 256, 208, 1, 0, 52, 0};
     switch (qtype) {
     case Q4_0: *l = q4_0; return 1;
     case Q4_1: *l = q4_1; return 1;
@@ -60,6 +63,7 @@ static inline int layout_of(int32_t qtype, layout *l) {
     case Q5_1: *l = q5_1; return 1;
     case Q8_0: *l = q8_0; return 1;
     case Q4_K: *l = q4_k; return 1;
+    case Q5_K: *l = q5_k; return 1;
     case Q6_K: *l = q6_k; return 1;
     default: *l = (layout){0, 1, 0, 0, 0, 0, 0}; return 0;
     }

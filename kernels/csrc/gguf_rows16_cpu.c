@@ -1,7 +1,7 @@
 /* GGUF weights repacked in groups of 16 rows (gguf_rows16.h; packed by
- * gguf_rows16_pack.c) times int8-quantized activations (AVX512-VNNI), for any number of x
- * rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K here, Q6_K in gguf_rows16_q6k.c. Built with
- * the other C kernels by kernels/cpu_native.py.
+ * gguf_rows16_pack.c) times int8-quantized activations (AVX512-VNNI), for any number of
+ * x rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K here, Q6_K in gguf_rows16_q6k.c.
+ * Built with the other C kernels by kernels/cpu_native.py.
  *
  * Why: the row-major blocks make every product pay for a layout change. The int8 GEMV
  * sums each row's lanes at the end of each dot product, and the bf16 GEMM decodes each
@@ -167,15 +167,15 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
 
-/* Q4_K: per super-block of 256, eight sub-blocks of 32 with 6-bit scales and mins (the
- * 12 bytes as three word vectors S0..S2, the 16 rows' in lanes). Sub-block j < 4: scale
- * S0 byte j, min S1 byte j (low 6 bits); j >= 4: S2 byte j-4's low / high nibble, with
- * the top two bits of S0 / S1 byte j-4 as bits 4-5. Codes: word 3 + 8c + q holds quad q
- * of sub-blocks 2c (low nibbles) and 2c + 1 (high). (Q6_K, written the same way with a
- * scale per 16 weights, ran 1.1-1.6x the row-major kernels at 1-16 rows but 0.8x at 64:
- * its per-16 scaling and 6-bit decode per register tile; it stays row-major.) */
-#define Q4K_KERNEL(R)                                                                     \
-    static void q4k_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,    \
+/* Q4_K and Q5_K: per super-block of 256, eight sub-blocks of 32 with 6-bit scales and
+ * mins (the 12 bytes as three word vectors S0..S2, the 16 rows' in lanes). Sub-block
+ * j < 4: scale S0 byte j, min S1 byte j (low 6 bits); j >= 4: S2 byte j-4's low / high
+ * nibble, with the top two bits of S0 / S1 byte j-4 as bits 4-5. Codes: word `at` + 8c + q
+ * holds quad q of sub-blocks 2c (low nibbles) and 2c + 1 (high), `at` 3 for Q4_K; Q5_K
+ * has 8 qh words first (word 3 + q: byte l's bit j, weight 4q + l's fifth bit in
+ * sub-block j), so `at` 11. (Q6_K: gguf_rows16_q6k.c.) */
+#define KQ_KERNEL(R, name, fifth)                                                                     \
+    static void name##_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,    \
                         void *out, int64_t ldo, int64_t j0, int out_bf16) {               \
         layout l;                                                                         \
         layout_of(qtype, &l);                                                             \
@@ -215,8 +215,15 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
                     sxs[r] = x->sx[r * x->nx + xb];                                       \
                 }                                                                         \
                 for (int q = 0; q < 8; q++) {                                             \
-                    __m512i w = _mm512_loadu_si512(wv + 3 + 8 * (j >> 1) + q);            \
+                    __m512i w = _mm512_loadu_si512(wv + 3 + 8 * fifth + 8 * (j >> 1) + q); \
                     w = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(w, 4) : w, nib);     \
+                    if (fifth) {                                                          \
+                        const __m512i h = _mm512_loadu_si512(wv + 3 + q);                 \
+                        w = _mm512_or_si512(w, _mm512_and_si512(                          \
+                            j <= 4 ? _mm512_slli_epi16(h, 4 - j)                          \
+                                   : _mm512_srli_epi16(h, j - 4),                         \
+                            _mm512_set1_epi8(0x10)));                                     \
+                    }                                                                     \
                     for (int r = 0; r < R; r++)                                           \
                         s[r] = _mm512_dpbusd_epi32(                                       \
                             s[r], w, _mm512_set1_epi32(x->q[r * x->ldq + xb * 8 + q]));   \
@@ -227,7 +234,7 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
 
-#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q5_KERNEL(R) Q4K_KERNEL(R)
+#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q5_KERNEL(R) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
 BOTH_KERNELS(1)
 BOTH_KERNELS(2)
 BOTH_KERNELS(3)
@@ -237,7 +244,7 @@ BOTH_KERNELS(6)
 BOTH_KERNELS(7)
 BOTH_KERNELS(8)
 #undef BOTH_KERNELS
-#undef Q4K_KERNEL
+#undef KQ_KERNEL
 #undef GROUP_KERNEL
 #undef Q5_KERNEL
 #undef SCALE_INTO
@@ -245,6 +252,8 @@ static group_fn *const GROUP_FNS[XR + 1] = {NULL, group_1, group_2, group_3, gro
                                             group_5, group_6, group_7, group_8};
 static group_fn *const Q4K_FNS[XR + 1] = {NULL, q4k_1, q4k_2, q4k_3, q4k_4, q4k_5, q4k_6,
                                           q4k_7, q4k_8};
+static group_fn *const Q5K_FNS[XR + 1] = {NULL, q5k_1, q5k_2, q5k_3, q5k_4, q5k_5, q5k_6,
+                                          q5k_7, q5k_8};
 static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_6, q5_7,
                                          q5_8};
 #endif
@@ -291,6 +300,7 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     float *sx = dx + m * nx;
     int32_t *hx = (int32_t *)(sx + m * nx);
     group_fn *const *fns = qtype == Q4_K                   ? Q4K_FNS
+                           : qtype == Q5_K                 ? Q5K_FNS
                            : qtype == Q6_K                 ? Q6K_FNS
                            : qtype == Q5_0 || qtype == Q5_1 ? Q5_FNS
                                                             : GROUP_FNS;

@@ -11,7 +11,7 @@
 int64_t gguf_rows16_types(void) {
 #ifdef HAVE_ROWS16
     int64_t t = (1 << Q4_0) | (1 << Q4_1) | (1 << Q5_0) | (1 << Q5_1) | (1 << Q8_0) |
-                (1 << Q4_K);
+                (1 << Q4_K) | (1 << Q5_K);
 #ifdef __AVX512BF16__
     t |= 1 << Q6_K;
 #endif

@@ -1,5 +1,5 @@
 """The row-group kernels (``deepinfer_kernels.cpu_gguf_rows16``): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K and Q6_K blocks repacked in 16-row groups, against the dequantized product in
+Q8_0, Q4_K, Q5_K and Q6_K blocks repacked in 16-row groups, against the dequantized product in
 float64 (of int8-quantized x, or for Q6_K's many-row path of bf16 x and weights). Random
 blocks with negative and subnormal fp16 scales, fresh data per case, x rows across the
 kernel's 8-row tiles and remainders, fp32/bf16/fp16 activations; the packing's round
@@ -21,7 +21,7 @@ from tests.kernels.gguf_helpers import assert_product, make_blocks, ragged_k, rn
 pytestmark = pytest.mark.skipif(not rows16.rows16_types(),
                                 reason="no AVX512-VNNI build: no row-group kernel")
 
-NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+NAMES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 N = 48  # three row groups
 # The output's own rounding, relative to |y|, by x's dtype (the result is written in it).
 OUT_ROUNDING = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -152,11 +152,10 @@ def test_bad_input_is_named():
     blocks = torch.from_numpy(raw.copy())
     with pytest.raises(ValueError, match="blocks"):  # 40 rows: not whole groups of 16
         rows16.pack_rows16(blocks[:40].clone(), fmt.type_id)
-    q5k = BLOCK_FORMATS[GQ.Q5_K.value]
-    other = torch.from_numpy(make_blocks(q5k, 16, 256, rng_for("rows16-q5k")))
-    with pytest.raises(ValueError, match="blocks"):  # a type without the kernel
-        rows16.pack_rows16(other, q5k.type_id)
-    assert not rows16.rows16_usable(other, q5k.type_id)
+    with pytest.raises(ValueError, match="qtype"):  # F16: not a block type
+        rows16.pack_rows16(blocks[:16].clone(), GQ.F16.value)
+    assert not rows16.rows16_usable(blocks[:16], GQ.F16.value)
+    assert not rows16.rows16_usable(blocks[:40], fmt.type_id)
     rows16.pack_rows16(blocks, fmt.type_id)
     f = rows16.bind_rows16_matmul(blocks, fmt.type_id)
     with pytest.raises(ValueError, match=r"x.*\[M, 352\]"):

@@ -128,7 +128,7 @@ def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_pat
     assert torch.equal(fused_cache, plain_cache)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     """A tiny model of K-quant (or 5-bit) blocks, bf16, 3 sequences: repacked for the
     row-group kernel where the CPU has it; else through the int8 kernel where the CPU has

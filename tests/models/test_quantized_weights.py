@@ -169,10 +169,11 @@ def test_fused_layer_with_parts_of_mixed_types_keeps_each_part(tmp_path, dtype):
 
 
 @pytest.mark.skipif(not rows16_types(), reason="no AVX512-VNNI: no row-group kernel")
-# Q4_K and Q6_K also take the kernel, but their tiny files are random bytes (logits in
-# the hundreds), where the int8 activations' error says nothing about real weights;
-# their kernel is held to the exact int8 product in tests/kernels/test_cpu_gguf_rows16.py
-# and their layers to the per-layer bits in tests/models/test_decoder_stack.py.
+# Q4_K, Q5_K and Q6_K also take the kernel, but their tiny files are random bytes
+# (logits in the hundreds), where the int8 activations' error says nothing about real
+# weights; their kernel is held to the exact product in
+# tests/kernels/test_cpu_gguf_rows16.py and their layers to the per-layer bits in
+# tests/models/test_decoder_stack.py.
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_bf16_layers_take_the_row_group_kernel(tmp_path, qtype):
     """bf16 activations on a CPU with VNNI: the Linear layers of these types and the
