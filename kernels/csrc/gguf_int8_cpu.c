@@ -70,12 +70,17 @@ static inline uint16_t to_bf16(float v) {
 static void quantize_row(const void *x, int bf16, int64_t nb, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < nb; b++) {
         float v[32], amax = 0.0f;
+        int nan = 0;
         for (int i = 0; i < 32; i++) {
             v[i] = load_x(x, b * 32 + i, bf16);
             float a = v[i] < 0 ? -v[i] : v[i];
             amax = a > amax ? a : amax;
+            nan |= v[i] != v[i];
         }
-        float step = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        /* A NaN has no code: the block's scale becomes NaN, so every output of the row is
+         * NaN, as a float product would give, not a product with the NaN read as 0. */
+        float step = nan ? __builtin_nanf("") : amax / 127.0f;
         int sum[2] = {0, 0};
         for (int i = 0; i < 32; i++) {
             int c = (int)__builtin_lrintf(v[i] * inv);

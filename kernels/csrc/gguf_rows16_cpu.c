@@ -49,7 +49,9 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
         _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(q + b * 32 + 16), _mm512_cvtepi32_epi8(c1));
-        dx[b] = amax / 127.0f;
+        const __mmask16 nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                              _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        dx[b] = nan ? __builtin_nanf("") : amax / 127.0f; /* NaN x: NaN out (int8_cpu.c) */
         hx[2 * b] = _mm512_reduce_add_epi32(c0);
         hx[2 * b + 1] = _mm512_reduce_add_epi32(c1);
         sx[b] = dx[b] * (float)(hx[2 * b] + hx[2 * b + 1]);

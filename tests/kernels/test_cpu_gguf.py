@@ -166,3 +166,23 @@ BAD = {
 def test_bad_input_names_the_argument(name: str):
     with pytest.raises(ValueError, match=rf"^{name}: expected "):
         BAD[name]()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_nan_in_x_makes_its_row_nan_and_leaves_the_others(name: str, m: int,
+                                                            dtype: torch.dtype):
+    """Every path (exact, int8 from bf16 x, the bf16 GEMM from more rows): a NaN in one x
+    row gives that row's outputs NaN, as a float product would (the int8 quantizer must
+    not read it as 0), and the other rows the bits they have without it."""
+    fmt = BLOCK_FORMATS[GQ[name].value]
+    rng = rng_for("cpu-nan", name, m, str(dtype))
+    k = ragged_k(fmt)
+    blocks = torch.from_numpy(make_blocks(fmt, N, k, rng))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+    clean = cpu_gguf.gguf_matmul(x, blocks, fmt.type_id)
+    x[m - 1, k // 2 + 1] = float("nan")
+    y = cpu_gguf.gguf_matmul(x, blocks, fmt.type_id)
+    assert bool(y[m - 1].isnan().all())
+    assert torch.equal(y[: m - 1], clean[: m - 1])

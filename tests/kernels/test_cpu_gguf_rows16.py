@@ -124,6 +124,23 @@ def test_q6k_many_rows_take_the_bf16_product(extra: int, dtype: torch.dtype):
     _check_product("Q6_K", rows + extra, dtype)
 
 
+@pytest.mark.parametrize("m", [1, 9, 43])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_nan_in_x_makes_its_row_nan_and_leaves_the_others(name: str, m: int):
+    """A NaN in one x row: that row's outputs all NaN (as a float product gives; the
+    int8 quantizer must not read it as 0), the other rows the bits they have without it.
+    43 rows: Q6_K's bf16 path too."""
+    fmt, raw, x = _case(name, m, torch.bfloat16, "nan")
+    blocks = torch.from_numpy(raw.copy())
+    rows16.pack_rows16(blocks, fmt.type_id)
+    clean = rows16.rows16_matmul(x, blocks, fmt.type_id)
+    x[m // 2, 33] = float("nan")
+    y = rows16.rows16_matmul(x, blocks, fmt.type_id)
+    assert bool(y[m // 2].isnan().all())
+    keep = torch.arange(m) != m // 2
+    assert torch.equal(y[keep], clean[keep])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_lookup_gathers_the_rows_the_unpacked_weight_holds(name: str):
     """A tied embedding's lookup on the packed weight: each id's row back to its blocks,
