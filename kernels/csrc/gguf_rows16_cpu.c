@@ -260,9 +260,13 @@ static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_
                                          q5_8};
 #endif
 
-/* Q6_K from this many x rows takes the bf16 path (gguf_rows16_q6k.c; measured with
- * benchmarks/bench_quant.py's kernel rows). */
-#define Q6K_BF16_MIN_M 40
+/* Q6_K from this many x rows takes the bf16 path (gguf_rows16_q6k.c). Measured by A/B of
+ * two builds in one process (bf16 / int8 time): at 576 x 1536 (SmolLM2's ffn_down) 1.25
+ * at 8 rows, 0.87 at 12, 0.78 at 16, 0.59 at 64; at 12288 x 2304 1.2 at 8, 1.04 at 12,
+ * about 1 from 16 to 48. */
+#ifndef Q6K_BF16_MIN_M /* -D to measure another */
+#define Q6K_BF16_MIN_M 12
+#endif
 
 /* The x rows from which `qtype` takes a bf16 path rather than int8 products; 0: never. */
 int64_t gguf_rows16_bf16_min_m(int32_t qtype) {
