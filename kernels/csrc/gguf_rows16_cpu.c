@@ -68,23 +68,36 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
     }
 
 /* R x rows against one packed row group of a 32-weight type: 16 outputs a row into out
- * at j0 (rows ldo apart). */
-#define GROUP_KERNEL(R)                                                                   \
-    static void group_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,  \
-                          void *out, int64_t ldo, int64_t j0, int out_bf16) {             \
+ * at j0 (rows ldo apart). `five` (a constant in each instance): Q5_0 and Q5_1, Q4_0's and
+ * Q4_1's nibbles plus a fifth bit a weight from the row's qh word (bit j: weight j), the
+ * first word vector. vpshufb spreads qh byte e of each lane over its four bytes (rep[e]);
+ * byte j of quad v's low codes takes bit 4(v & 1) + j of byte v / 2, its high codes the
+ * same bit of byte 2 + v / 2, added as 16 where set (a mask test). */
+#define GROUP_KERNEL(R, name, five)                                                       \
+    static void name##_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x, \
+                           void *out, int64_t ldo, int64_t j0, int out_bf16) {            \
         layout l;                                                                         \
         layout_of(qtype, &l);                                                             \
         const int64_t bb = l.bytes * GROUP;                                               \
-        const int q8 = qtype == Q8_0, q41 = qtype == Q4_1;                                \
-        const __m512i nib = _mm512_set1_epi8(0x0F);                                       \
+        const int q8 = qtype == Q8_0, has_m = qtype == Q4_1 || qtype == Q5_1;             \
+        const float off = q8 ? -128.0f : (five) ? -16.0f : -8.0f;                         \
+        const __m512i nib = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);       \
+        const __m512i lanes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);   \
+        const __m512i sel[2] = {_mm512_set1_epi32(0x08040201),                            \
+                                _mm512_set1_epi32((int)0x80402010)};                      \
         __m512 acc[R];                                                                    \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                         \
         for (int64_t b = 0; b < nb; b++) {                                                \
             const uint8_t *c = grp + b * bb;                                              \
             __m512 d = halves16(c);                                                       \
-            __m512 m = q41 ? halves16(c + 32)                                             \
-                           : _mm512_mul_ps(d, _mm512_set1_ps(q8 ? -128.0f : -8.0f));      \
-            const uint8_t *qs = c + 32 * l.halves;                                        \
+            __m512 m = has_m ? halves16(c + 32) : _mm512_mul_ps(d, _mm512_set1_ps(off));  \
+            const uint8_t *qs = c + 32 * l.halves + ((five) ? 64 : 0);                    \
+            __m512i rep[4];                                                               \
+            if (five)                                                                     \
+                for (int e = 0; e < 4; e++)                                               \
+                    rep[e] = _mm512_shuffle_epi8(_mm512_loadu_si512(qs - 64),             \
+                                                 _mm512_add_epi8(lanes,                   \
+                                                                 _mm512_set1_epi8((char)e)));\
             __m512i s[R];                                                                 \
             float dxs[R], sxs[R];                                                         \
             for (int r = 0; r < R; r++) {                                                 \
@@ -104,64 +117,18 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
                     __m512i w = _mm512_loadu_si512(qs + 64 * v);                          \
                     __m512i lo = _mm512_and_si512(w, nib);                                \
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);          \
+                    if (five) {                                                           \
+                        const __m512i bit = sel[v & 1];                                   \
+                        lo = _mm512_mask_add_epi8(                                        \
+                            lo, _mm512_test_epi8_mask(rep[v >> 1], bit), lo, fifth);      \
+                        hi = _mm512_mask_add_epi8(                                        \
+                            hi, _mm512_test_epi8_mask(rep[2 + (v >> 1)], bit), hi, fifth);\
+                    }                                                                     \
                     for (int r = 0; r < R; r++) {                                         \
                         const int32_t *xb = x->q + r * x->ldq + b * 8;                    \
                         s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xb[v]));   \
                         s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xb[v + 4]));\
                     }                                                                     \
-                }                                                                         \
-            }                                                                             \
-            SCALE_INTO(R, acc, s, d, m, dxs, sxs)                                         \
-        }                                                                                 \
-        for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
-    }
-
-/* Q5_0 and Q5_1: Q4_0's and Q4_1's nibbles plus a fifth bit a weight from the row's qh
- * word (bit j: weight j). vpshufb spreads qh byte c of each lane over its four bytes
- * (rep[c]); byte j of quad v's low codes takes bit 4(v & 1) + j of byte v / 2, its high
- * codes the same bit of byte 2 + v / 2, added as 16 where set (a mask test). */
-#define Q5_KERNEL(R)                                                                      \
-    static void q5_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,     \
-                       void *out, int64_t ldo, int64_t j0, int out_bf16) {                \
-        layout l;                                                                         \
-        layout_of(qtype, &l);                                                             \
-        const int64_t bb = l.bytes * GROUP;                                               \
-        const int q51 = qtype == Q5_1;                                                    \
-        const __m512i nib = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);       \
-        const __m512i lanes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);   \
-        const __m512i sel[2] = {_mm512_set1_epi32(0x08040201),                            \
-                                _mm512_set1_epi32((int)0x80402010)};                      \
-        __m512 acc[R];                                                                    \
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                         \
-        for (int64_t b = 0; b < nb; b++) {                                                \
-            const uint8_t *c = grp + b * bb;                                              \
-            __m512 d = halves16(c);                                                       \
-            __m512 m = q51 ? halves16(c + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f)); \
-            const uint8_t *words = c + 32 * l.halves;                                     \
-            const __m512i qh = _mm512_loadu_si512(words);                                 \
-            __m512i rep[4];                                                               \
-            for (int e = 0; e < 4; e++)                                                   \
-                rep[e] = _mm512_shuffle_epi8(                                             \
-                    qh, _mm512_add_epi8(lanes, _mm512_set1_epi8((char)e)));               \
-            __m512i s[R];                                                                 \
-            float dxs[R], sxs[R];                                                         \
-            for (int r = 0; r < R; r++) {                                                 \
-                s[r] = _mm512_setzero_si512();                                            \
-                dxs[r] = x->dx[r * x->nx + b];                                            \
-                sxs[r] = x->sx[r * x->nx + b];                                            \
-            }                                                                             \
-            for (int v = 0; v < 4; v++) {                                                 \
-                __m512i w = _mm512_loadu_si512(words + 64 + 64 * v);                      \
-                __m512i lo = _mm512_and_si512(w, nib);                                    \
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);              \
-                lo = _mm512_mask_add_epi8(                                                \
-                    lo, _mm512_test_epi8_mask(rep[v >> 1], sel[v & 1]), lo, fifth);       \
-                hi = _mm512_mask_add_epi8(                                                \
-                    hi, _mm512_test_epi8_mask(rep[2 + (v >> 1)], sel[v & 1]), hi, fifth); \
-                for (int r = 0; r < R; r++) {                                             \
-                    const int32_t *xb = x->q + r * x->ldq + b * 8;                        \
-                    s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xb[v]));       \
-                    s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(xb[v + 4]));   \
                 }                                                                         \
             }                                                                             \
             SCALE_INTO(R, acc, s, d, m, dxs, sxs)                                         \
@@ -236,7 +203,8 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
 
-#define BOTH_KERNELS(R) GROUP_KERNEL(R) Q5_KERNEL(R) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
+#define BOTH_KERNELS(R) \
+    GROUP_KERNEL(R, group, 0) GROUP_KERNEL(R, q5, 1) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
 BOTH_KERNELS(1)
 BOTH_KERNELS(2)
 BOTH_KERNELS(3)
@@ -248,7 +216,6 @@ BOTH_KERNELS(8)
 #undef BOTH_KERNELS
 #undef KQ_KERNEL
 #undef GROUP_KERNEL
-#undef Q5_KERNEL
 #undef SCALE_INTO
 static group_fn *const GROUP_FNS[XR + 1] = {NULL, group_1, group_2, group_3, group_4,
                                             group_5, group_6, group_7, group_8};
