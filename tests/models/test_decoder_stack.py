@@ -19,7 +19,7 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
 from deepinfer_kernels.cpu_dense import PACKED_MIN_M
-from deepinfer_kernels.cpu_gguf_rows16 import rows16_types
+from deepinfer_kernels.cpu_gguf_rows16 import rows16_bf16_min_rows, rows16_types
 from deepinfer_kernels.decoder_spec import BF16_TYPE
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
@@ -144,6 +144,28 @@ def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     prompts = {s: list(range(3 + s, 9 + 3 * s)) for s in range(3)}
     fused, fused_cache = _run(model, cfg, torch.bfloat16, cpu_backend, prompts, steps=4)
     plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=4)
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+
+
+def test_fused_step_over_q6k_many_rows_gives_the_per_layer_bits(tmp_path):
+    """13 sequences of a bf16 Q6_K model: from ``rows16_bf16_min_rows`` rows its row
+    groups take the bf16 path (each group decoded once a call), in the fused step as
+    layer by layer; the step is taken, with the same bits."""
+    rows = rows16_bf16_min_rows(GQ.Q6_K.value)
+    if rows is None:
+        pytest.skip("no AVX512-BF16: Q6_K is not packed")
+    num = 13
+    assert num >= rows
+    path = write_quantized_gguf(str(tmp_path / "Q6_K.gguf"), "Q6_K")
+    model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
+    assert model.model.layers[0].mlp.down_proj.rows16
+    prompts = {s: list(range(3 + s, 7 + s)) for s in range(num)}
+    taken: list[int] = []
+    fused, fused_cache = _run(model, cfg, torch.bfloat16, _counting(taken), prompts, steps=3)
+    plain, plain_cache = _run(model, cfg, torch.bfloat16, LAYER_BY_LAYER, prompts, steps=3)
+    assert taken == [num] * 3
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, plain)
     assert torch.equal(fused_cache, plain_cache)
