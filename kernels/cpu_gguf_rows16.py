@@ -1,6 +1,6 @@
 """GGUF weights repacked in groups of 16 rows for int8 products on the CPU
-(``kernels/csrc/gguf_rows16*.c``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K on CPUs with
-AVX512-VNNI, and Q6_K where the CPU has AVX512-BF16 as well. Q6_K's int8 products cost
+(``kernels/csrc/gguf_rows16*.c``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K on CPUs
+with AVX512-VNNI, and Q6_K where the CPU has AVX512-BF16 as well. Q6_K's int8 products cost
 more per x row than the other types' (a scale per 16 weights), so from
 :func:`rows16_bf16_min_rows` x rows on it decodes each row group to bf16 once a call
 and multiplies bf16 x (fp32 x rounded to bf16 first) instead.
@@ -14,7 +14,9 @@ block of 32 to int8 (the int8 path's rounding, see ``cpu_gguf``), 64 products a
 ``benchmarks/bench_quant.py``: the default model's decode steps from 1 to 128 sequences.
 
 Error: the int8 path's (at most half a step of 1/127 of a block's largest |x| per x
-element), accumulated in fp32; bf16 and fp16 activations are held to 2e-2 as elsewhere.
+element), accumulated in fp32; on Q6_K's bf16 path, x's and the weights' bf16 rounding.
+bf16 and fp16 activations are held to 2e-2 as elsewhere. A NaN in x makes that row's
+outputs NaN.
 Layers of other types, of a row count that is not whole groups, or on other devices keep
 the row-major blocks and their kernels.
 """
