@@ -215,17 +215,18 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
         for (int r = 0; r < R; r++) store16(out, r * ldo + j0, acc[r], out_bf16);         \
     }
 
-#define BOTH_KERNELS(R) \
-    GROUP_KERNEL(R, group, 0) GROUP_KERNEL(R, q5, 1) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
-BOTH_KERNELS(1)
-BOTH_KERNELS(2)
-BOTH_KERNELS(3)
-BOTH_KERNELS(4)
-BOTH_KERNELS(5)
-BOTH_KERNELS(6)
-BOTH_KERNELS(7)
-BOTH_KERNELS(8)
-#undef BOTH_KERNELS
+#define ALL_KERNELS(R)                                                                    \
+    GROUP_KERNEL(R, group, 0)                                                             \
+    GROUP_KERNEL(R, q5, 1) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
+ALL_KERNELS(1)
+ALL_KERNELS(2)
+ALL_KERNELS(3)
+ALL_KERNELS(4)
+ALL_KERNELS(5)
+ALL_KERNELS(6)
+ALL_KERNELS(7)
+ALL_KERNELS(8)
+#undef ALL_KERNELS
 #undef KQ_KERNEL
 #undef GROUP_KERNEL
 #undef SCALE_INTO
@@ -245,6 +246,11 @@ static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_
  * about 1 from 16 to 48. */
 #ifndef Q6K_BF16_MIN_M /* -D to measure another */
 #define Q6K_BF16_MIN_M 12
+#endif
+
+/* x codes a chunk of rows holds at most (many x rows; see gguf_rows16_matmul). */
+#ifndef X_CHUNK_BYTES
+#define X_CHUNK_BYTES (256 << 10)
 #endif
 
 /* The x rows from which `qtype` takes a bf16 path rather than int8 products; 0: never. */
@@ -292,23 +298,32 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     const size_t os = out_bf16 ? 2 : 4;
     /* One parallel region a call (a decode step makes ~120 of these calls): every x row
      * quantized once, up front (codes, then per row and block dx and sx), then the row
-     * groups split over the threads, each running every x row over its group (read from
-     * L1 or L2 for every 8 x rows after the first). */
+     * groups split over the threads, each running x rows over its groups (a group read
+     * from L1 or L2 for every 8 x rows after the first). Many x rows (a prefill) go in
+     * chunks of X_CHUNK_BYTES of codes, each thread running its groups over a chunk
+     * before the next: a chunk stays in its L2 while the thread's share of the weight is
+     * read again per chunk, instead of all of x streamed from L3 once per group. The
+     * static schedule gives a thread the same groups in every chunk, so no barrier. */
+    const int64_t tiles = X_CHUNK_BYTES / k / XR; /* 8-row tiles a chunk */
+    const int64_t chunk = tiles > 0 ? tiles * XR : XR;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
                          dx + r * nx, sx + r * nx, hx + 2 * r * nx);
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *grp = w + g * GROUP * nb * bb;
-            for (int64_t r = 0; r < m; r += XR) {
-                const int64_t cnt = m - r < XR ? m - r : XR;
-                const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx, sx + r * nx,
-                                  hx + 2 * r * nx, ldq, nx};
-                fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os, ldo,
-                         g * GROUP, out_bf16);
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+            const int64_t r1 = m - r0 < chunk ? m : r0 + chunk;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *grp = w + g * GROUP * nb * bb;
+                for (int64_t r = r0; r < r1; r += XR) {
+                    const int64_t cnt = r1 - r < XR ? r1 - r : XR;
+                    const xrows xr = {(const int32_t *)q + r * ldq, dx + r * nx,
+                                      sx + r * nx, hx + 2 * r * nx, ldq, nx};
+                    fns[cnt](grp, qtype, nb, &xr, (char *)out + (size_t)(r * ldo) * os,
+                             ldo, g * GROUP, out_bf16);
+                }
             }
         }
     }
