@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_kernels.validation import check_out
+from deepinfer_kernels.validation import check_out, table_error
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
@@ -253,10 +253,8 @@ def paged_decode_attention(
                          f"(q {tuple(q.shape)}, cache {tuple(k_cache.shape)})")
     if rc < 0:
         s = -rc - 1
-        raise IndexError(
-            f"paged_decode_attention: sequence {s} (seq_len {int(lens[s])}) needs "
-            f"{-(-int(lens[s]) // block_size)} blocks but its block_tables row has "
-            f"{tables.shape[1]} entries or names a block outside the cache's {num_blocks}")
+        raise table_error("paged_decode_attention", s, int(lens[s]), block_size,
+                          tables.shape[1], num_blocks)
     if not direct:
         out.copy_(res)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels.cpu_native import native_library
-from deepinfer_kernels.validation import check_out
+from deepinfer_kernels.validation import check_out, table_error
 
 __all__ = ["can_prefill", "paged_prefill_attention"]
 
@@ -96,10 +96,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if rc % 2:
             raise ValueError(f"paged_prefill_attention: sequence {s} has {q_len} new tokens "
                              f"but seq_lens {length}")
-        raise IndexError(
-            f"paged_prefill_attention: sequence {s} (seq_len {length}) needs "
-            f"{-(-length // block_size)} blocks but its block_tables row has "
-            f"{tables.shape[1]} entries or names a block outside the cache's {num_blocks}")
+        raise table_error("paged_prefill_attention", s, length, block_size,
+                          tables.shape[1], num_blocks)
     if rc:
         raise RuntimeError(f"paged_prefill_attention: the native kernel refused (code {rc})")
     if not direct:

@@ -118,6 +118,16 @@ def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
     return o
 
 
+def table_error(op: str, seq: int, seq_len: int, block_size: int, width: int,
+                num_blocks: int) -> IndexError:
+    """What a native attention kernel's refusal of sequence ``seq``'s block table means:
+    its ``seq_len`` needs more blocks than the ``width`` entries of its row, or the row
+    names a block outside the cache's ``num_blocks``."""
+    return IndexError(f"{op}: sequence {seq} (seq_len {seq_len}) needs "
+                      f"{-(-seq_len // block_size)} blocks but its block_tables row has "
+                      f"{width} entries or names a block outside the cache's {num_blocks}")
+
+
 def check_attention_common(
     q: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

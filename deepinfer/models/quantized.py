@@ -126,10 +126,10 @@ def _repacks(module: nn.Module, dtype: torch.dtype) -> bool:
 def bind_quantized_kernels(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every layer holding GGUF blocks its kernels (after its weight is loaded):
     ``bound_matmul`` for products, and for embeddings ``gguf_rows``, which dequantizes
-    gathered rows to ``dtype`` (the model's activations). On a CPU with AVX512-VNNI, a
-    Linear or Embedding of Q4_0, Q4_1, Q8_0 or Q4_K blocks with 16-bit activations is repacked
-    in place for the row-group kernel first (``rows16``; once: binding again keeps the
-    packing)."""
+    gathered rows to ``dtype`` (the model's activations). With 16-bit activations, a
+    Linear or Embedding whose blocks the CPU's row-group kernel takes
+    (``cpu_gguf_rows16.rows16_usable``) is repacked in place for it first (``rows16``;
+    once: binding again keeps the packing)."""
     for module in model.modules():
         if getattr(module, "experts_qtypes", None) is not None:  # a SparseMoeBlock's experts
             module.bind_expert_kernels()

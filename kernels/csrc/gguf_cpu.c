@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vec16.h"
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -26,9 +28,6 @@
 #define BAD_SHAPE 2
 #define NO_MEMORY 3
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
@@ -312,16 +311,7 @@ static float dot_row(int32_t qtype, const uint8_t *row, int64_t nb, const float 
     return hsum((a0 + a1) + (a2 + a3));
 }
 
-/* float -> bfloat16, round to nearest even (NaN kept a NaN). */
-static inline uint16_t to_bf16(float v) {
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
-/* 16 floats -> bfloat16, rounded to nearest even as to_bf16 (a row of a dequantized tile:
+/* 16 floats -> bfloat16, rounded to nearest even as f32_to_bf16 (vec16.h) (a row of a dequantized tile:
  * the scalar loop was most of the tile path's cost). */
 static inline v16u16 bf16x16(v16f v) {
 #ifdef __AVX512BF16__
@@ -341,12 +331,6 @@ static inline v16u16 bf16x16(v16f v) {
 #endif
 }
 
-static inline void put_out(void *out, int64_t at, float v, int out_bf16) {
-    if (out_bf16)
-        ((uint16_t *)out)[at] = to_bf16(v);
-    else
-        ((float *)out)[at] = v;
-}
 
 /* A decoded row w (k floats, k a multiple of 32) against four x rows `ldx` apart: four
  * accumulators share each load of w. */
@@ -391,11 +375,7 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
         wide = malloc((size_t)(m * k) * sizeof(float));
         if (!wide) return NO_MEMORY;
         for (int64_t r = 0; r < m; r++) {
-            const uint16_t *src = (const uint16_t *)x + r * ldx;
-            for (int64_t i = 0; i < k; i++) {
-                uint32_t b = (uint32_t)src[i] << 16;
-                memcpy(&wide[r * k + i], &b, 4);
-            }
+            for (int64_t i = 0; i < k; i++) wide[r * k + i] = load1(x, r * ldx + i, 1);
         }
         xf = wide;
         ldx = k;
@@ -411,7 +391,7 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *wj = w + j * ldw;
             if (m == 1) {
-                put_out(out, j, dot_row(qtype, wj, nb, xf), out_bf16);
+                store1(out, j, dot_row(qtype, wj, nb, xf), out_bf16);
                 continue;
             }
             if (!row) continue;
@@ -420,9 +400,10 @@ int64_t gguf_matmul_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_
             for (; r + 4 <= m; r += 4) {
                 float v[4];
                 dot4(row, k, xf + r * ldx, ldx, v);
-                for (int i = 0; i < 4; i++) put_out(out, (r + i) * ldo + j, v[i], out_bf16);
+                for (int i = 0; i < 4; i++) store1(out, (r + i) * ldo + j, v[i], out_bf16);
             }
-            for (; r < m; r++) put_out(out, r * ldo + j, dot1(row, k, xf + r * ldx), out_bf16);
+            for (; r < m; r++)
+                store1(out, r * ldo + j, dot1(row, k, xf + r * ldx), out_bf16);
         }
         free(row);
     }

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec16.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_INT8 1
@@ -49,22 +51,6 @@ static inline float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline float load_x(const void *x, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)x)[i];
-    uint32_t b = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float v) {
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
 /* One x row -> int8 codes q [nb * 32], scales d [nb] (x ~= d * q) and the scaled code
  * sums of each half block, s [2 nb] = d * sum(q over 16) (the offset terms need them). */
 static void quantize_row(const void *x, int bf16, int64_t nb, int8_t *q, float *d, float *s) {
@@ -72,7 +58,7 @@ static void quantize_row(const void *x, int bf16, int64_t nb, int8_t *q, float *
         float v[32], amax = 0.0f;
         int nan = 0;
         for (int i = 0; i < 32; i++) {
-            v[i] = load_x(x, b * 32 + i, bf16);
+            v[i] = load1(x, b * 32 + i, bf16);
             float a = v[i] < 0 ? -v[i] : v[i];
             amax = a > amax ? a : amax;
             nan |= v[i] != v[i];
@@ -298,12 +284,6 @@ static rows_fn *rows_for(int32_t qtype) {
     }
 }
 
-static inline void put(void *out, int64_t at, float v, int out_bf16) {
-    if (out_bf16)
-        ((uint16_t *)out)[at] = to_bf16(v);
-    else
-        ((float *)out)[at] = v;
-}
 #endif
 
 int64_t gguf_matmul_int8_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
@@ -338,7 +318,8 @@ int64_t gguf_matmul_int8_cpu(const void *x, int64_t m, int64_t k, int64_t ldx, i
             int64_t left = m - r;
             int64_t cnt = left >= 4 ? 4 : left;
             rows(wj, nb, xq + r * k, k, xd + r * nb, xs + 2 * r * nb, res, cnt);
-            for (int64_t i = 0; i < cnt; i++) put(out, (r + i) * ldo + j, res[i], out_bf16);
+            for (int64_t i = 0; i < cnt; i++)
+                store1(out, (r + i) * ldo + j, res[i], out_bf16);
             r += cnt;
         }
     }

@@ -155,9 +155,9 @@ static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *
  * holds quad q of sub-blocks 2c (low nibbles) and 2c + 1 (high), `at` 3 for Q4_K; Q5_K
  * has 8 qh words first (word 3 + q: byte l's bit j, weight 4q + l's fifth bit in
  * sub-block j), so `at` 11. (Q6_K: gguf_rows16_q6k.c.) */
-#define KQ_KERNEL(R, name, fifth)                                                                     \
-    static void name##_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,    \
-                        void *out, int64_t ldo, int64_t j0, int out_bf16) {               \
+#define KQ_KERNEL(R, name, fifth)                                                         \
+    static void name##_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x, \
+                           void *out, int64_t ldo, int64_t j0, int out_bf16) {            \
         layout l;                                                                         \
         layout_of(qtype, &l);                                                             \
         const int64_t bb = l.bytes * GROUP;                                               \
