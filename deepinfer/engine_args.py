@@ -70,7 +70,7 @@ class EngineArgs:
         None, "longest prompt + output, in tokens (default: the model's, at most 8192)",
         type=int)
     max_num_seqs: int | None = option(
-        None, "sequences decoded together (default: 256 on CUDA, 64 on CPU)", type=int)
+        None, "sequences decoded together (default: 256)", type=int)
     max_num_batched_tokens: int | None = option(
         None, "tokens per prompt step (default: 8192 on CUDA, 2048 on CPU)", type=int)
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64))
@@ -92,9 +92,12 @@ class EngineArgs:
         None, "seed of the random stream that requests without a seed of their own draw "
         "from (None: torch's global generator)", type=int, flag="--engine-seed")
 
-    def num_seqs_on(self, on_cuda: bool) -> int:
-        """``max_num_seqs``, or its default for the device: 256 on CUDA, 64 on CPU."""
-        return self.max_num_seqs or (256 if on_cuda else 64)
+    def num_seqs(self) -> int:
+        """``max_num_seqs``, or its default, 256 on every device. On CPU 256 was
+        measured against 64 (the earlier default): 256 requests of 16-128 tokens ran
+        1.12-1.31x faster (fewer, larger prompt steps; products at more rows), long
+        contexts (KV-read bound) the same."""
+        return self.max_num_seqs or 256
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""

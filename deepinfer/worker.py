@@ -118,7 +118,7 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     on_cuda = device.type == "cuda"
     spec = KVCacheSpec(
         block_size=args.block_size,
-        max_num_seqs=args.num_seqs_on(on_cuda),
+        max_num_seqs=args.num_seqs(),
         max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_cuda else 2048),
         kv_cache_memory=args.kv_cache_memory,

@@ -47,7 +47,7 @@ def replica_batches(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[
     engine batches), so that its engine's batch stays full as Ray batches come and go.
     Batches of 16 to 64 rows: smaller ones cost Ray a task each, larger ones hold their
     first records back longer."""
-    seqs = engine_args.num_seqs_on(str(engine_args.device).startswith("cuda"))
+    seqs = engine_args.num_seqs()
     in_flight = getattr(args, "max_in_flight", None) or IN_FLIGHT_PER_BATCH * seqs
     batch = max(16, min(64, in_flight // 16))
     return batch, max(1, -(-in_flight // batch))
