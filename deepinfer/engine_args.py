@@ -14,6 +14,8 @@ from typing import Any
 #: ``quantization``: keep a GGUF file's block weights where a kernel exists, or dequantize.
 QUANTIZATION_CHOICES = ("auto", "none")
 
+#: ``kv_cache_dtype``: the model's dtype, or int8 codes with a scale per (token, KV head).
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
 #: ``generation_config``: take a checkpoint's sampling defaults, or ignore them.
 GENERATION_CONFIG_CHOICES = ("auto", "none")
@@ -75,6 +77,10 @@ class EngineArgs:
         None, "tokens per prompt step (default: 8192 on CUDA, 2048 on CPU)", type=int)
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64))
     kv_cache_memory: int = option(1 << 30, "bytes of KV cache on CPU")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache elements: auto (the model's dtype) or int8 (a scale per token and "
+        "KV head: 0.53x a bf16 cache's bytes, about twice the tokens in the same memory; "
+        "attention_backend torch)", choices=KV_CACHE_DTYPE_CHOICES)
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")
     enable_prefix_caching: bool = option(
@@ -123,6 +129,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive integer")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size={self.block_size}: expected 8, 16, 32 or 64")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory}: expected bytes > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

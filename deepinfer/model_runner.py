@@ -20,7 +20,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.cuda_graph import DecodeGraphRunner
 from deepinfer.host_copy import to_device
-from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, kv_cache_shape
+from deepinfer.kv_cache_spec import KVCacheSpec, kv_block_bytes, new_kv_cache
 from deepinfer.kv_handoff import export_kv, handoff_bytes, import_kv
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import KernelBackend
@@ -118,10 +118,7 @@ class ModelRunner:
                              "raise kv_cache_memory / gpu_memory_utilization")
         # Not zeroed: every kernel reads only slots written this run (unwritten ones are
         # masked out, tested with NaN-poisoned caches), and zeroing a GiB costs ~0.5 s.
-        self.kv_cache = torch.empty(
-            kv_cache_shape(cfg, self.num_blocks, spec.block_size, tp), dtype=dtype,
-            device=device
-        )
+        self.kv_cache = new_kv_cache(cfg, self.num_blocks, spec, dtype, device, tp)
         self.graphs: DecodeGraphRunner | None = None
         if self._captures_graphs:
             self.graphs = DecodeGraphRunner(
@@ -135,7 +132,8 @@ class ModelRunner:
     def plan_num_blocks(self, spec: KVCacheSpec) -> int:
         """KV blocks that fit the budget of ``spec`` (see ``KVCacheSpec``). Raises
         ``ValueError`` naming the options to raise when fewer than 2 fit."""
-        block_bytes = kv_block_bytes(self.cfg, spec.block_size, self.dtype, self.tp)
+        block_bytes = kv_block_bytes(self.cfg, spec.block_size, self.dtype, self.tp,
+                                     spec.kv_cache_dtype)
         useful = spec.max_num_seqs * -(-spec.max_model_len // spec.block_size) + 1
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget(spec)
@@ -161,8 +159,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        cache = torch.zeros(kv_cache_shape(self.cfg, n_blocks, bs, self.tp),
-                            dtype=self.dtype, device=dev)
+        cache = new_kv_cache(self.cfg, n_blocks, spec, self.dtype, dev, self.tp).zero_()
         meta = AttentionMetadata(
             is_prompt=True,
             slot_mapping=torch.arange(tokens, device=dev),

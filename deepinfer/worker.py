@@ -109,6 +109,14 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
         # current device: it must be the engine's (cuda:1 would otherwise run on cuda:0).
         torch.cuda.set_device(device)
     backend = resolve_backend(args.attention_backend, device)
+    # Only the Triton ops are graph-safe: the torch reference's ops sync the host
+    # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
+    triton = isinstance(backend, ModuleType) and backend.__name__ == "deepinfer_kernels"
+    if triton and args.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} needs "
+                         "attention_backend='torch' (the C kernels on a CPU, the torch "
+                         "reference on a GPU): the Triton kernels read a cache in the "
+                         "model's dtype only")
     path = resolve_model_path(args.model)
     group = tp.group if tp is not None else SINGLE
     model, cfg = load_model(path, dtype=args.dtype, device=str(device), tp=group,
@@ -123,11 +131,9 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
         max_num_batched_tokens=args.max_num_batched_tokens or (8192 if on_cuda else 2048),
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     dtype = model.activation_dtype
-    # Only the Triton ops are graph-safe: the torch reference's ops sync the host
-    # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
-    triton = isinstance(backend, ModuleType) and backend.__name__ == "deepinfer_kernels"
     graphs = capture_graphs and not args.enforce_eager and triton
     runner = ModelRunner(
         model, cfg, device=device, dtype=dtype, backend=backend, spec=spec,

@@ -32,7 +32,10 @@ are ~40 small ops a layer, most of a decode step's time once the weights are sma
 model whose projections are all GGUF blocks runs a decode step's whole stack of layers as
 one C call (``bind_decoder_stack``, :mod:`kernels.cpu_decoder`).
 
-``store_kv`` is one C call (``kernels/csrc/store_kv_cpu.c``) for fp32/bf16 caches; otherwise
+An int8 KV cache (``kv_cache_dtype="int8"``, :mod:`kernels.kv_quant`) is stored and read
+by the same C kernels (the torch reference where they do not take a shape).
+
+``store_kv`` is one C call (``kernels/csrc/store_kv_cpu.c``) for fp32/bf16/int8 caches; otherwise
 it skips the reference's padding filter (two boolean-index copies) when no slot is
 negative, ~3x cheaper per call. The other copy ops (``clone_blocks``, ``zero_states``,
 ``clone_states``) are the reference's own: they run rarely (copy-on-write, slot reuse), and
@@ -54,6 +57,7 @@ from deepinfer_kernels import cpu_native, cpu_prefill, reference
 from deepinfer_kernels.cpu_decoder import bind_decoder_stack
 from deepinfer_kernels.cpu_layer_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from deepinfer_kernels.cpu_sampling import sample_tokens, sample_tokens_filtered
+from deepinfer_kernels.kv_quant import is_int8_cache, kv_row_width
 from deepinfer_kernels.reference import (
     clone_blocks,
     clone_states,
@@ -95,26 +99,33 @@ _CHUNK_BYTES = 4 << 20
 def _native_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """The C store (``kernels/csrc/store_kv_cpu.c``) where it takes the inputs: one dtype
-    (fp32 or bf16) throughout, each token's heads back to back, contiguous caches, int64
-    slots. Returns whether it ran. ``IndexError`` naming a slot past the cache."""
+    (fp32 or bf16) throughout, or fp32/bf16 K/V into int8 caches (quantized there, as
+    :func:`deepinfer_kernels.kv_quant.quantize_kv`); each token's heads back to back,
+    contiguous caches, int64 slots. Returns whether it ran. ``IndexError`` naming a slot
+    past the cache."""
     lib = cpu_native.native_library()
     t, hkv, d = k.shape
     dtype = k_cache.dtype
+    int8 = dtype == torch.int8
+    width = kv_row_width(d, "int8") if int8 else d
     # Plain comparisons (no generators): this runs once a layer per step.
-    if (lib is None or dtype not in (torch.float32, torch.bfloat16) or k.dtype != dtype
-            or v.dtype != dtype or v_cache.dtype != dtype
+    if (lib is None or k.dtype not in (torch.float32, torch.bfloat16)
+            or (dtype != k.dtype and not int8) or v.dtype != k.dtype or v_cache.dtype != dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slots.dtype != torch.int64 or not slots.is_contiguous()
             or k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d
-            or v.shape != k.shape or k_cache.shape[2] != hkv or k_cache.shape[3] != d
+            or v.shape != k.shape or k_cache.shape[2] != hkv or k_cache.shape[3] != width
             or v_cache.shape != k_cache.shape
             or not (k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu
                     and slots.is_cpu)):
         return False
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.store_kv_cpu(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
-                          hkv * d, num_slots, k.element_size())
+    ptrs = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), t)
+    if int8:
+        rc = lib.store_kv_int8_cpu(*ptrs, hkv, d, num_slots, int(k.dtype == torch.bfloat16))
+    else:
+        rc = lib.store_kv_cpu(*ptrs, hkv * d, num_slots, k.element_size())
     if rc < 0:
         bad = -rc - 1
         raise IndexError(f"store_kv: token {bad}'s slot {int(slots[bad])} is past the "
@@ -138,7 +149,7 @@ def store_kv(
         return
     if k.dim() == 3 and _native_store(k, v, k_cache, v_cache, slot_mapping):
         return
-    if bool((slot_mapping < 0).any()):
+    if bool((slot_mapping < 0).any()) or is_int8_cache(k_cache):
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.long()
@@ -166,6 +177,9 @@ def paged_decode_attention(
     if cpu_native.can_decode(q, k_cache, v_cache, block_tables, seq_lens):
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                  seq_lens, scale=scale, out=out)
+    if is_int8_cache(k_cache):  # shapes the C kernel does not take: the oracle itself
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                scale=scale, out=out)
     return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                      scale=scale, out=out)
 
@@ -297,6 +311,10 @@ def paged_prefill_attention(
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                    query_start_loc, seq_lens, scale=scale,
                                                    out=out)
+    if is_int8_cache(k_cache):
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                 query_start_loc, seq_lens, scale=scale,
+                                                 out=out)
     return gathered_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale=scale, out=out)
 

@@ -36,6 +36,7 @@ from deepinfer_kernels.decoder_spec import (
     Projection,
     projection_parts,
 )
+from deepinfer_kernels.kv_quant import kv_row_width
 from deepinfer_kernels.validation import check_gguf_blocks
 
 __all__ = ["bind_decoder_stack"]
@@ -175,8 +176,9 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
 
     The function: embeddings x ``[T, hidden]`` (activation dtype, contiguous), positions
     ``[T]`` int64, kv_cache ``[L, 2, NB, BS, Hkv, D]`` contiguous in the activation
-    dtype, slot_mapping ``[T]`` int64, block_tables ``[T, W]`` int32/int64 (unit last
-    stride), seq_lens ``[T]`` int32 -> the final-normed hidden states ``[T, hidden]``;
+    dtype (or int8 ``[..., D * 9 / 8]``, :mod:`deepinfer_kernels.kv_quant`), slot_mapping
+    ``[T]`` int64, block_tables ``[T, W]`` int32/int64 (unit last stride), seq_lens
+    ``[T]`` int32 -> the final-normed hidden states ``[T, hidden]``;
     None for inputs it does not take (the caller runs layer by layer)."""
     lib = cpu_native.native_library()
     if lib is None or lib.decoder_stack_fields() != _MODEL_FIELDS * 100 + _LAYER_FIELDS:
@@ -188,6 +190,8 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
     num_layers, h, dtype = len(spec.layers), spec.hidden_size, spec.final_norm.dtype
     max_rows = _max_rows(spec)
     hkv, d = spec.num_kv_heads, spec.head_dim
+    int8_attention = cpu_native.int8_decode_shape(d, spec.num_heads // hkv)
+    int8_width = kv_row_width(d, "int8")
     eps, scale = float(spec.eps), float(spec.scale)
     int32, int64 = torch.int32, torch.int64
     call, model_ptr, layers_ptr = lib.decoder_stack_cpu, model.data_ptr(), layers.data_ptr()
@@ -197,12 +201,15 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
             seq_lens: torch.Tensor) -> torch.Tensor | None:
         t = x.shape[0]
         # Plain comparisons: this runs once a step.
+        kv_int8 = kv_cache.dtype == torch.int8
         if (not 0 < t <= max_rows or x.dtype != dtype or not x.is_cpu or x.dim() != 2
                 or x.shape[1] != h or not x.is_contiguous()
-                or kv_cache.dtype != dtype or not kv_cache.is_cpu or kv_cache.dim() != 6
+                or (kv_cache.dtype != dtype and not kv_int8) or not kv_cache.is_cpu
+                or kv_cache.dim() != 6
                 or kv_cache.shape[0] != num_layers or kv_cache.shape[1] != 2
                 or kv_cache.shape[3] > cpu_native.MAX_BLOCK_SIZE or kv_cache.shape[4] != hkv
-                or kv_cache.shape[5] != d or not kv_cache.is_contiguous()
+                or kv_cache.shape[5] != (int8_width if kv_int8 else d)
+                or (kv_int8 and not int8_attention) or not kv_cache.is_contiguous()
                 or positions.dtype != int64 or positions.shape != (t,)
                 or not positions.is_contiguous() or slot_mapping.dtype != int64
                 or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous()
@@ -219,7 +226,7 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
                   kv_cache.shape[2], kv_cache.shape[3], block_tables.data_ptr(),
                   block_tables.shape[1], block_tables.stride(0),
                   int(block_tables.dtype == int64), seq_lens.data_ptr(), eps, scale,
-                  torch.get_num_threads())
+                  int(kv_int8), torch.get_num_threads())
         return out if rc == 0 else None
 
     # The descriptors hold raw pointers: the spec (and so every weight) and the

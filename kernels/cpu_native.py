@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer_kernels.kv_quant import cache_head_dim
 from deepinfer_kernels.validation import check_out, table_error
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
@@ -77,16 +78,23 @@ _SIGNATURES = {
                       _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32, _I32, _I32],
     "silu_and_mul_cpu": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32],
     "store_kv_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32],
+    "store_kv_int8_cpu": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                          _I32],
     "decoder_stack_fields": [],
     "sample_tokens_cpu": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32],
     "decoder_stack_cpu": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                          _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _I32],
+                          _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _I32, _I32],
 }
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64
 _MAX_DIM = 512
 # The kernel keeps a sequence's Hq x D floats on the thread's stack (a few of them).
 _MAX_HEADS_X_DIM = 1 << 17
+# The shapes of the 16-lane kernel, the only one that reads an int8 cache
+# (paged_decode_wide_takes in paged_decode_wide_cpu.c).
+_INT8_DIMS, _INT8_MAX_GROUP = (64, 128), 8
+# cache_kind of the C kernels (KV_* in vec16.h).
+KV_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _BAD_SHAPE = 1
 # -Wno-psabi: without -march=native GCC notes that 32-byte vectors change the (internal) ABI.
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi"]
@@ -173,17 +181,25 @@ def native_library() -> ctypes.CDLL | None:
     return None
 
 
+def int8_decode_shape(head_dim: int, group: int) -> bool:
+    """Whether the C decode kernel reads an int8 cache for this head dim and number of
+    query heads per KV head (its 16-lane kernel's shapes)."""
+    return head_dim in _INT8_DIMS and 1 <= group <= _INT8_MAX_GROUP
+
+
 def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
     """Whether :func:`paged_decode_attention` takes these inputs: CPU tensors, an fp32 or
     bf16 cache (both caches alike, contiguous), block size <= 64, at most 64 query heads
     per KV head, head dim a multiple of 8 and <= 512 (heads x dim <= 2**17, held on a
-    thread's stack), int32/int64 block tables. Builds the library on first call."""
+    thread's stack), int32/int64 block tables; or an int8 cache (``[..., D * 9 / 8]``) with a
+    head dim of 64 or 128 and at most 8 query heads per KV head. Builds the library on
+    first call."""
     # is_cpu, not .device: building a device object per check costs ~1 us, and this runs
     # once a layer per decode step.
     if q.dim() != 3 or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu):
         return False
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in KV_KIND or v_cache.dtype != k_cache.dtype:
         return False
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return False
@@ -191,6 +207,10 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return False
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
+    if k_cache.dtype == torch.int8:
+        d = cache_head_dim(k_cache)
+        if hkv == 0 or hq % hkv or not int8_decode_shape(d, hq // hkv):
+            return False
     if (block_size > MAX_BLOCK_SIZE or hkv == 0 or hq % hkv or hq // hkv > _MAX_GROUP
             or d > _MAX_DIM or d % 8 or q.shape[2] != d or hq * d > _MAX_HEADS_X_DIM):
         return False
@@ -213,7 +233,8 @@ def paged_decode_attention(
     """One query per sequence against its ``seq_lens[b]`` cached keys, by the C kernel.
 
     q ``[B, Hq, D]`` (any float dtype); k_cache/v_cache ``[num_blocks, block_size, Hkv,
-    D]`` fp32 or bf16, contiguous; block_tables ``[B, W]`` int32/int64 (any row stride);
+    D]`` fp32 or bf16, or ``[..., D * 9 / 8]`` int8 (:mod:`deepinfer_kernels.kv_quant`),
+    contiguous; block_tables ``[B, W]`` int32/int64 (any row stride);
     seq_lens ``[B]``.
     Returns ``[B, Hq, D]`` in q's dtype (into ``out`` when given); fp32 math. A sequence
     of length 0 gets zeros. Call only where :func:`can_decode` holds. Raises IndexError
@@ -246,7 +267,7 @@ def paged_decode_attention(
     rc = lib.paged_decode_attention_cpu(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), res.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
-        tables.shape[1], tables.stride(0), int(k_cache.dtype == torch.bfloat16),
+        tables.shape[1], tables.stride(0), KV_KIND[k_cache.dtype],
         int(tables.dtype == torch.int64), torch.get_num_threads())
     if rc == _BAD_SHAPE:
         raise ValueError(f"paged_decode_attention: shapes the native kernel cannot take "

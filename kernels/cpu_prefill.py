@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.cpu_native import native_library
+from deepinfer_kernels.cpu_native import KV_KIND, native_library
+from deepinfer_kernels.kv_quant import KV_GROUP, cache_head_dim
 from deepinfer_kernels.validation import check_out, table_error
 
 __all__ = ["can_prefill", "paged_prefill_attention"]
@@ -26,21 +27,24 @@ _KINDS = (torch.float32, torch.bfloat16)
 
 def can_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor) -> bool:
-    """Whether :func:`paged_prefill_attention` takes these inputs: CPU tensors, q and the
-    caches fp32 or bf16 (both caches alike, contiguous ``[NB, BS, Hkv, D]``), D a multiple
+    """Whether :func:`paged_prefill_attention` takes these inputs: CPU tensors, q fp32 or
+    bf16, the caches fp32, bf16 or int8 (both alike, contiguous ``[NB, BS, Hkv, D]``, int8
+    ``[..., D * 9 / 8]``: :mod:`deepinfer_kernels.kv_quant`), D a multiple
     of 16 up to 256, at most 16 query heads per KV head, int32/int64 block tables; and
     the native library built."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         return False
     if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_tables.is_cpu):
         return False
-    if q.dtype not in _KINDS or k_cache.dtype not in _KINDS or v_cache.dtype != k_cache.dtype:
+    if q.dtype not in _KINDS or k_cache.dtype not in KV_KIND or v_cache.dtype != k_cache.dtype:
         return False
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    if (d % 16 or d > _MAX_D or k_cache.shape[3] != d or hkv == 0 or hq % hkv
+    if k_cache.dtype == torch.int8 and d % KV_GROUP:
+        return False
+    if (d % 16 or d > _MAX_D or cache_head_dim(k_cache) != d or hkv == 0 or hq % hkv
             or hq // hkv > _MAX_GROUP):
         return False
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
@@ -54,7 +58,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves, all read from cache.
 
-    q ``[T, Hq, D]`` fp32/bf16 packed; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``;
+    q ``[T, Hq, D]`` fp32/bf16 packed; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``
+    (int8: ``[..., D * 9 / 8]``);
     block_tables ``[B, W]`` int32/int64 (any row stride); query_start_loc ``[B+1]``;
     seq_lens ``[B]`` (cached prefix plus this step's new tokens). Returns ``[T, Hq, D]`` in
     q's dtype (into ``out`` when given). Call only where :func:`can_prefill` holds.
@@ -86,7 +91,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     rc = lib.paged_prefill_attention_cpu(
         qc.data_ptr(), int(q.dtype == torch.bfloat16), k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
+        KV_KIND[k_cache.dtype], tables.data_ptr(),
         int(tables.dtype == torch.int64), tables.shape[1], tables.stride(0), starts.data_ptr(),
         lens.data_ptr(), b, hq, hkv, d, num_blocks, block_size, scale, res.data_ptr(),
         torch.get_num_threads())

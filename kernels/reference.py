@@ -20,6 +20,7 @@ import torch.nn.functional as F
 # Re-exported: this module holds the reference of every op.
 from deepinfer_kernels.decoder_spec import bind_decoder_stack  # noqa: F401
 from deepinfer_kernels.gguf_reference import dequantize_gguf, gguf_matmul  # noqa: F401
+from deepinfer_kernels.kv_quant import is_int8_cache, kv_values, quantize_kv
 from deepinfer_kernels.sampling_reference import (  # noqa: F401
     filter_logits,
     inverse_cdf_draw_ok,
@@ -37,7 +38,8 @@ def store_kv(
 ) -> None:
     """Write token t's K/V (``[T, Hkv, D]``) at ``slot_mapping[t]`` (``[T]`` int64).
 
-    Negative slots are padding and are skipped.
+    Negative slots are padding and are skipped. An int8 cache (``[..., D * 9 / 8]``, see
+    :mod:`deepinfer_kernels.kv_quant`) gets each row's codes and scale.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -45,7 +47,8 @@ def store_kv(
     # on CPU.
     for src, cache in ((k, k_cache), (v, v_cache)):
         flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat.index_copy_(0, slots, src[keep].to(cache.dtype))
+        rows = quantize_kv(src[keep]) if is_int8_cache(cache) else src[keep].to(cache.dtype)
+        flat.index_copy_(0, slots, rows)
 
 
 def _gather_kv(
@@ -90,7 +93,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query per sequence against its ``seq_lens[b]`` cached keys.
 
-    q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32.
+    q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32; the
+    caches in q's dtype or int8 (``[..., D * 9 / 8]``, :mod:`deepinfer_kernels.kv_quant`).
     Returns ``[B, Hq, D]`` in q's dtype (written into ``out`` when given).
     ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
     two backends are interchangeable.
@@ -116,8 +120,9 @@ def paged_decode_attention(
     # A length-0 sequence's table may be all padding: it reads slot 0 (and gets zeros).
     first = torch.where(seq_lens[:, None] > 0, slots[:, :1], 0)
     slots = torch.where(valid, slots, first).reshape(-1)
-    k, v = (cache.view(-1, hkv, d).index_select(0, slots).view(b, length, hkv, d).float()
-            for cache in (k_cache, v_cache))
+    width_d = k_cache.shape[3]  # D, or D * 9 / 8 for an int8 cache
+    k, v = (kv_values(cache.view(-1, hkv, width_d).index_select(0, slots)).view(
+        b, length, hkv, d) for cache in (k_cache, v_cache))
     # GQA: the group's query heads act as the query axis of one SDPA per kv head.
     qf = q.float().reshape(b, hkv, hq // hkv, d)
     o = F.scaled_dot_product_attention(
@@ -143,7 +148,8 @@ def paged_prefill_attention(
     """Causal attention of packed new tokens over prefix + themselves, all read from cache.
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
-    cached prefix plus this step's new tokens. Returns ``[T, Hq, D]``.
+    cached prefix plus this step's new tokens; caches as in :func:`paged_decode_attention`.
+    Returns ``[T, Hq, D]``.
     """
     del max_query_len
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -156,8 +162,8 @@ def paged_prefill_attention(
         q_len = e - s
         if q_len == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[b], length)
-        v = _gather_kv(v_cache, block_tables[b], length)
+        k = kv_values(_gather_kv(k_cache, block_tables[b], length))
+        v = kv_values(_gather_kv(v_cache, block_tables[b], length))
         q_pos = torch.arange(length - q_len, length, device=q.device)
         k_pos = torch.arange(length, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, Lk]

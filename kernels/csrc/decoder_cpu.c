@@ -20,7 +20,8 @@
  *           parts (the enums below)
  *   x       [t, hidden] the embeddings (activation dtype); out [t, hidden] the result
  *   kv      [num_layers, 2, num_blocks, block_size, kv heads, head dim] contiguous cache
- *           in the activation dtype
+ *           in the activation dtype, or with kv_int8 an int8 one whose last dim is head
+ *           dim * 9 / 8 (each row's codes and scales, vec16.h)
  * Returns 0, or the first failing kernel's nonzero code (the caller reruns the step layer
  * by layer to name the bad input: every write before the failure is one the rerun
  * repeats with the same values).
@@ -61,11 +62,14 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
 int64_t store_kv_cpu(const void *k, int64_t ldk, const void *v, int64_t ldv, void *k_cache,
                      void *v_cache, const int64_t *slots, int64_t t, int64_t row,
                      int64_t num_slots, int32_t elem_bytes);
+int64_t store_kv_int8_cpu(const void *k, int64_t ldk, const void *v, int64_t ldv,
+                          void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
+                          int64_t hkv, int64_t d, int64_t num_slots, int32_t src_bf16);
 int64_t paged_decode_attention_cpu(
     const float *q, const void *k_cache, const void *v_cache, const void *block_tables,
     const int32_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
-    int64_t table_width, int64_t table_stride, int32_t cache_is_bf16,
+    int64_t table_width, int64_t table_stride, int32_t cache_kind,
     int32_t tables_are_int64, int32_t num_threads);
 
 enum { M_HIDDEN, M_HQ, M_HKV, M_DIM, M_INTER, M_BF16, M_FINAL_NORM, M_COS_SIN, M_MAX_POS,
@@ -141,7 +145,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
                           const int64_t *slots, void *kv, int64_t num_blocks,
                           int64_t block_size, const void *tables, int64_t table_width,
                           int64_t table_stride, int32_t tables_i64, const int32_t *seq_lens,
-                          float eps, float scale, int32_t threads) {
+                          float eps, float scale, int32_t kv_int8, int32_t threads) {
     const int64_t h = model[M_HIDDEN], hq = model[M_HQ], hkv = model[M_HKV], d = model[M_DIM];
     const int64_t inter = model[M_INTER], max_pos = model[M_MAX_POS];
     const int bf16 = (int)model[M_BF16];
@@ -164,15 +168,18 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
     void *gu = TAKE(n_gu), *act = TAKE(n_act);
 #undef TAKE
     float *qf = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63), *attn_f = qf + t * qs;
-    const size_t cache_elems = (size_t)(num_blocks * block_size * kvs);
+    /* One layer's K (or V) cache, in bytes; the element kind the kernels read. */
+    const size_t cache_bytes = (size_t)(num_blocks * block_size * hkv) *
+                               (kv_int8 ? (size_t)kv_int8_row(d) : (size_t)d * es);
+    const int32_t kv_kind = kv_int8 ? KV_INT8 : bf16 ? KV_BF16 : KV_F32;
     const int64_t num_slots = num_blocks * block_size;
     const void *cos_sin = P(model[M_COS_SIN]);
     int64_t rc = 0;
     memcpy(res, x, (size_t)n_res * es); /* the stream before layer 0: the embeddings */
     for (int64_t i = 0; i < num_layers && rc == 0; i++) {
         const int64_t *L = layers + i * LAYER_FIELDS;
-        char *k_cache = (char *)kv + (size_t)(2 * i) * cache_elems * es;
-        char *v_cache = k_cache + cache_elems * es;
+        char *k_cache = (char *)kv + (size_t)(2 * i) * cache_bytes;
+        char *v_cache = k_cache + cache_bytes;
         if (i == 0)
             rc = rms_norm_cpu(x, h, NULL, 0, NULL, 0, P(L[L_IN_NORM]), hb, h, t, h, eps, bf16,
                               threads);
@@ -184,14 +191,17 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
             rc = rotary_qk_cpu(qkv, qkv_n, (char *)qkv + (size_t)qs * es, qkv_n, qrot, qs,
                                krot, kvs, t, hq, hkv, d, cos_sin, max_pos, positions,
                                P(L[L_Q_NORM]), P(L[L_K_NORM]), eps, bf16, threads);
-        if (!rc)
+        if (!rc && kv_int8)
+            rc = store_kv_int8_cpu(krot, kvs, (char *)qkv + (size_t)(qs + kvs) * es, qkv_n,
+                                   k_cache, v_cache, slots, t, hkv, d, num_slots, bf16);
+        else if (!rc)
             rc = store_kv_cpu(krot, kvs, (char *)qkv + (size_t)(qs + kvs) * es, qkv_n,
                               k_cache, v_cache, slots, t, kvs, num_slots, (int32_t)es);
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) qf[e] = load1(qrot, e, bf16) * scale;
         rc = paged_decode_attention_cpu(qf, k_cache, v_cache, tables, seq_lens, attn_f, t,
                                         hq, hkv, d, num_blocks, block_size, table_width,
-                                        table_stride, bf16, tables_i64, threads);
+                                        table_stride, kv_kind, tables_i64, threads);
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) store1(attn, e, attn_f[e], bf16);
         rc = projection(attn, t, qs, L + L_O, h, cur, &how);

@@ -4,7 +4,9 @@
  * Built by kernels/cpu_native.py with the system C compiler and loaded through ctypes, so it
  * needs no torch headers (a build takes about a second). Layout as in docs/kernels.md:
  *   q        [B, Hq, D]            float32, contiguous, already multiplied by the scale
- *   k/v      [NB, BS, Hkv, D]      float32 or bfloat16, contiguous
+ *   k/v      [NB, BS, Hkv, D]      float32 or bfloat16, contiguous; or int8 [NB, BS, Hkv,
+ *            D * 9 / 8] (cache_kind 2: codes and scales, as vec16.h says), which
+ *            only the 16-lane kernel reads (head dim 64 or 128, groups up to 8)
  *   tables   [B, W]                int32 or int64, rows `table_stride` apart
  *   seq_lens [B]                   int32
  *   out      [B, Hq, D]            float32, contiguous
@@ -23,8 +25,9 @@
 
 /* The 16-lane kernel for head dims 64 / 128 and groups up to 8 (paged_decode_wide_cpu.c);
  * 1 for other shapes, which the 8-lane kernel below takes. */
+int paged_decode_wide_takes(int64_t group, int64_t dim);
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
-                              int is_bf16, const int64_t *blocks, int64_t len,
+                              int kind, const int64_t *blocks, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
                               int64_t nh, int64_t group, int64_t dim, float *out);
 
@@ -247,13 +250,17 @@ int64_t paged_decode_attention_cpu(
     const float *q, const void *k_cache, const void *v_cache, const void *block_tables,
     const int32_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
-    int64_t table_width, int64_t table_stride, int32_t cache_is_bf16,
+    int64_t table_width, int64_t table_stride, int32_t cache_kind,
     int32_t tables_are_int64, int32_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim <= 0 || dim % 8 != 0)
         return BAD_SHAPE;
     int64_t group = num_heads / num_kv_heads, chunks = dim / 8;
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size <= 0 || block_size > MAX_BLOCK)
         return BAD_SHAPE;
+    if (cache_kind < 0 || cache_kind > 2 ||
+        (cache_kind == 2 && !paged_decode_wide_takes(group, dim)))
+        return BAD_SHAPE;
+    const int cache_is_bf16 = cache_kind == 1;
     /* Work items: sequences, each cut into `splits` KV-head ranges when there are fewer
      * sequences than threads (a small batch still uses every thread). */
     int64_t splits = 1;
@@ -294,7 +301,7 @@ int64_t paged_decode_attention_cpu(
             bad = -(b + 1);
             continue;
         }
-        if (paged_decode_wide_seq(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
+        if (paged_decode_wide_seq(qb, k_cache, v_cache, cache_kind, ids, len, block_size,
                                   num_kv_heads, h0, nh, group, dim, ob))
             attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
                                 num_kv_heads, h0, nh, group, chunks, ob);

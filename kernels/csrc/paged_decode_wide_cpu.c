@@ -18,7 +18,9 @@
  * order, so results agree to fp32 rounding.
  *
  *   q    [heads, D] float32, the item's query rows (KV head h's group at h * G), scaled
- *   k/v  the whole cache [NB, BS, Hkv, D], float32 or bfloat16
+ *   k/v  the whole cache [NB, BS, Hkv, D], float32 or bfloat16; or int8 (kind KV_INT8,
+ *        vec16.h): [NB, BS, Hkv, D * 9 / 8], each row's codes then its scales, widened
+ *        to floats and scaled as they are loaded
  *   out  [heads, D] float32
  */
 #include <math.h>
@@ -68,15 +70,19 @@ static inline __attribute__((always_inline)) void request_row(const void *cache,
 }
 
 /* The n tokens (n <= the block size) of one block for KV head h and its G query heads,
- * from cache offset `base` (token 0, head h); `next` is the same offset in the next block
+ * from cache offset `base` (token 0, head h; offsets and `row` count elements, bytes for
+ * an int8 cache: I8 is a literal, so each kind compiles its own loop); `next` is the same
+ * offset in the next block
  * (-1: none), whose rows are requested as this block's are read (blocks are scattered,
  * and requests spread out do not queue up behind each other). qv: the G query rows;
  * acc, m, l: the heads' running output, max and sum, updated. */
 static inline __attribute__((always_inline)) void attend_block(
     const v16f *restrict qv, const void *k_cache, const void *v_cache, int is_bf16,
-    int64_t n, int64_t base, int64_t next, int64_t row, const int G, const int C,
-    v16f *restrict acc_out, float *restrict m, float *restrict l) {
-    const int64_t d = C * 16, esize = is_bf16 ? 2 : 4;
+    const int I8, int64_t n, int64_t base, int64_t next, int64_t row, const int G,
+    const int C, v16f *restrict acc_out, float *restrict m, float *restrict l) {
+    const int64_t d = C * 16, esize = I8 ? 1 : is_bf16 ? 2 : 4;
+    const int64_t row_bytes = I8 ? kv_int8_row(d) : d * esize;
+    const int8_t *k8 = (const int8_t *)k_cache, *v8 = (const int8_t *)v_cache;
     v16f acc[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = acc_out[g * C + c];
@@ -88,10 +94,15 @@ static inline __attribute__((always_inline)) void attend_block(
                 for (int g = 0; g < G; ++g) dots[g][u] = (v16f){0};
                 continue;
             }
-            if (next >= 0) request_row(k_cache, next + (t0 + u) * row, d * esize, esize);
+            if (next >= 0) request_row(k_cache, next + (t0 + u) * row, row_bytes, esize);
             v16f kr[C];
-            for (int c = 0; c < C; ++c)
-                kr[c] = load16(k_cache, base + (t0 + u) * row + 16 * c, is_bf16);
+            const int64_t at = base + (t0 + u) * row;
+            if (I8) {
+                for (int c = 0; c < C; ++c)
+                    kr[c] = load16_i8(k8 + at + 16 * c) * kv_scale(k8 + at, d, c / 2);
+            } else {
+                for (int c = 0; c < C; ++c) kr[c] = load16(k_cache, at + 16 * c, is_bf16);
+            }
             for (int g = 0; g < G; ++g) {
                 v16f x = qv[g * C] * kr[0];
                 for (int c = 1; c < C; ++c) x += qv[g * C + c] * kr[c];
@@ -116,10 +127,15 @@ static inline __attribute__((always_inline)) void attend_block(
             memcpy(p[g], &e, sizeof e);
         }
         for (int64_t u = 0; u < nt; ++u) {
-            if (next >= 0) request_row(v_cache, next + (t0 + u) * row, d * esize, esize);
+            if (next >= 0) request_row(v_cache, next + (t0 + u) * row, row_bytes, esize);
             v16f vr[C];
-            for (int c = 0; c < C; ++c)
-                vr[c] = load16(v_cache, base + (t0 + u) * row + 16 * c, is_bf16);
+            const int64_t at = base + (t0 + u) * row;
+            if (I8) {
+                for (int c = 0; c < C; ++c)
+                    vr[c] = load16_i8(v8 + at + 16 * c) * kv_scale(v8 + at, d, c / 2);
+            } else {
+                for (int c = 0; c < C; ++c) vr[c] = load16(v_cache, at + 16 * c, is_bf16);
+            }
             for (int g = 0; g < G; ++g) {
                 const float w = p[g][u];
                 for (int c = 0; c < C; ++c) acc[g][c] += w * vr[c];
@@ -135,8 +151,8 @@ static inline __attribute__((always_inline)) void attend_block(
  * of its heads before the next block. */
 static inline __attribute__((always_inline)) void attend_seq16(
     const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
-    const int64_t *blocks, int64_t len, int64_t block_size, int64_t row, int64_t h0,
-    int64_t nh, const int G, const int C, float *restrict out) {
+    const int I8, const int64_t *blocks, int64_t len, int64_t block_size, int64_t row,
+    int64_t hs, int64_t h0, int64_t nh, const int G, const int C, float *restrict out) {
     const int64_t d = C * 16, heads = nh * G;
     v16f qv[heads * C], acc[heads * C];
     float m[heads], l[heads];
@@ -154,8 +170,8 @@ static inline __attribute__((always_inline)) void attend_seq16(
         const int64_t base = blocks[j] * block_size * row;
         const int64_t next = j + 1 < nblocks ? blocks[j + 1] * block_size * row : -1;
         for (int64_t h = 0; h < nh; ++h) {
-            const int64_t off = (h0 + h) * d;
-            attend_block(qv + h * G * C, k_cache, v_cache, is_bf16, n, base + off,
+            const int64_t off = (h0 + h) * hs;
+            attend_block(qv + h * G * C, k_cache, v_cache, is_bf16, I8, n, base + off,
                          next < 0 ? -1 : next + off, row, G, C, acc + h * G * C, m + h * G,
                          l + h * G);
         }
@@ -169,31 +185,39 @@ static inline __attribute__((always_inline)) void attend_seq16(
     }
 }
 
+/* Whether paged_decode_wide_seq takes a head dim and group size (the only kernel that
+ * reads an int8 cache). */
+int paged_decode_wide_takes(int64_t group, int64_t dim) {
+    return (dim == 64 || dim == 128) && group >= 1 && group <= 8;
+}
+
 /* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
- * head dim `dim`): q and out hold those heads' rows. Returns 0, or 1 for a shape this
- * kernel does not take (nothing written). */
+ * head dim `dim`), cache element `kind` (vec16.h): q and out hold those heads' rows.
+ * Returns 0, or 1 for a shape this kernel does not take (nothing written). */
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
-                              int is_bf16, const int64_t *blocks, int64_t len,
+                              int kind, const int64_t *blocks, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
                               int64_t nh, int64_t group, int64_t dim, float *out) {
-    const int64_t row = num_kv_heads * dim;
-#define HEAD(G, C)                                                                     \
-    attend_seq16(q, k_cache, v_cache, is_bf16, blocks, len, block_size, row, h0, nh, G, C, \
-                 out);                                                                     \
+    if (!paged_decode_wide_takes(group, dim)) return 1;
+    const int i8 = kind == KV_INT8, is_bf16 = kind == KV_BF16;
+    const int64_t hs = i8 ? kv_int8_row(dim) : dim, row = num_kv_heads * hs;
+#define HEAD(I8, G, C)                                                                   \
+    attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, len, block_size, row, hs, h0, \
+                 nh, G, C, out);                                                         \
     return 0
-#define GROUPS(C)                                        \
-    switch (group) {                                     \
-        case 1: HEAD(1, C); case 2: HEAD(2, C);           \
-        case 3: HEAD(3, C); case 4: HEAD(4, C);           \
-        case 5: HEAD(5, C); case 6: HEAD(6, C);           \
-        case 7: HEAD(7, C); case 8: HEAD(8, C);           \
-        default: return 1;                               \
+#define GROUPS(I8, C)                                              \
+    switch (group) {                                               \
+        case 1: HEAD(I8, 1, C); case 2: HEAD(I8, 2, C);             \
+        case 3: HEAD(I8, 3, C); case 4: HEAD(I8, 4, C);             \
+        case 5: HEAD(I8, 5, C); case 6: HEAD(I8, 6, C);             \
+        case 7: HEAD(I8, 7, C); default: HEAD(I8, 8, C);            \
     }
-    switch (dim) {
-        case 64: GROUPS(4);
-        case 128: GROUPS(8);
-        default: return 1;
+    if (i8) {
+        if (dim == 64) GROUPS(1, 4);
+        GROUPS(1, 8);
     }
+    if (dim == 64) GROUPS(0, 4);
+    GROUPS(0, 8);
 #undef GROUPS
 #undef HEAD
 }

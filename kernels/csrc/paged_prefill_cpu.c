@@ -16,7 +16,8 @@
  * torch path; sums run in another order, so results agree to fp32 rounding.
  *
  *   q        [T, Hq, D] fp32 or bf16 (q_bf16), packed new tokens; out the same
- *   k/v      [NB, BS, Hkv, D] fp32 or bf16 (cache_bf16), contiguous
+ *   k/v      [NB, BS, Hkv, D] fp32 or bf16, contiguous; or int8 [NB, BS, Hkv, D * 9 / 8]
+ *            (codes, then the row's scales: vec16.h; D a multiple of 32), per cache_kind
  *   tables   [B, W] int32 or int64 (tables_i64), rows table_stride apart
  *   starts   [B + 1] int32 (query_start_loc), lens [B] int32 (prefix + new tokens)
  * Returns 0; 1 for a shape it does not take (D not a multiple of 16 or above MAX_D, Hq
@@ -48,7 +49,7 @@ typedef struct {
     const int32_t *starts, *lens;
     int64_t hq, hkv, d, block_size, table_stride;
     float scale;
-    int q_bf16, cache_bf16, tables_i64;
+    int q_bf16, cache_kind, tables_i64;
 } prefill_args;
 
 /* Scratch of one thread (sized for G heads and D): the item's q rows and outputs, a K
@@ -137,7 +138,9 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
     const int64_t nq = q_len - i0 < QT ? q_len - i0 : QT, rows = nq * G;
     const int64_t padded = rows + RB - 1; /* rows a last pass of RB may touch */
     const int64_t first = len - q_len + i0; /* position of the item's first query */
-    const int64_t row = a->hkv * d;         /* cache elements a token */
+    const int i8 = a->cache_kind == KV_INT8, cache_bf16 = a->cache_kind == KV_BF16;
+    const int64_t hs = i8 ? kv_int8_row(d) : d; /* cache elements a head's row */
+    const int64_t row = a->hkv * hs;                /* cache elements a token */
     const void *tables = (const char *)a->tables +
                          (size_t)(b * a->table_stride) * (a->tables_i64 ? 8 : 4);
     for (int64_t i = 0; i < nq; i++)
@@ -162,11 +165,21 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
             }
             const int64_t t = t0 + u;
             const int64_t blk = table_at(tables, a->tables_i64, t / a->block_size);
-            const int64_t off = (blk * a->block_size + t % a->block_size) * row + h * d;
+            const int64_t off = (blk * a->block_size + t % a->block_size) * row + h * hs;
+            if (i8) { /* values widened once a tile: code * scale */
+                const int8_t *kr = (const int8_t *)a->k + off, *vr8 = (const int8_t *)a->v + off;
+                for (int64_t c = 0; c < d; c++)
+                    s->kt[c * KT + u] = (float)kr[c] * kv_scale(kr, d, c / KV_GROUP);
+                for (int64_t c = 0; c < d; c += 16) {
+                    const v16f vr = load16_i8(vr8 + c) * kv_scale(vr8, d, c / KV_GROUP);
+                    memcpy(s->v + u * d + c, &vr, sizeof vr);
+                }
+                continue;
+            }
             for (int64_t c = 0; c < d; c++)
-                s->kt[c * KT + u] = load1(a->k, off + c, a->cache_bf16);
+                s->kt[c * KT + u] = load1(a->k, off + c, cache_bf16);
             for (int64_t c = 0; c < d; c += 16) {
-                const v16f vr = load16(a->v, off + c, a->cache_bf16);
+                const v16f vr = load16(a->v, off + c, cache_bf16);
                 memcpy(s->v + u * d + c, &vr, sizeof vr);
             }
         }
@@ -185,14 +198,15 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
 }
 
 int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k_cache,
-                                    const void *v_cache, int32_t cache_bf16,
+                                    const void *v_cache, int32_t cache_kind,
                                     const void *tables, int32_t tables_i64, int64_t table_width,
                                     int64_t table_stride, const int32_t *starts,
                                     const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv,
                                     int64_t d, int64_t num_blocks, int64_t block_size,
                                     float scale, void *out, int32_t threads) {
     if (d <= 0 || d % 16 || d > MAX_D || hkv <= 0 || hq % hkv || hq / hkv > MAX_G ||
-        block_size <= 0)
+        block_size <= 0 || cache_kind < KV_F32 || cache_kind > KV_INT8 ||
+        (cache_kind == KV_INT8 && d % KV_GROUP))
         return 1;
     /* Every table entry a sequence will read names a block of the cache, before any work. */
     int64_t items = 0;
@@ -224,7 +238,7 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
     }
     qsort(work, (size_t)items, sizeof(item), costlier_first);
     const prefill_args a = {q, k_cache, v_cache, tables, out, starts, lens, hq, hkv, d,
-                            block_size, table_stride, scale, q_bf16, cache_bf16,
+                            block_size, table_stride, scale, q_bf16, cache_kind,
                             tables_i64};
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

@@ -7,6 +7,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -88,6 +91,43 @@ static inline v16f exp16(v16f x) {
     v16f scale;
     memcpy(&scale, &bits, sizeof scale);
     return vsel16(tiny, (v16f){0}, p * scale);
+}
+
+/* KV cache element kinds (the `cache_kind` argument of the attention and store kernels).
+ * An int8 cache (kernels/kv_quant.py) holds each (token, KV head) row of D values (D a
+ * multiple of KV_GROUP) as D int8 codes followed by one fp32 scale per KV_GROUP values
+ * (unaligned): value i is code[i] * scale[i / KV_GROUP], and a head's row is
+ * kv_int8_row(D) = D * 9 / 8 bytes wide. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+#define KV_GROUP 32
+
+static inline int64_t kv_int8_row(int64_t d) { return d + d / KV_GROUP * 4; }
+
+/* Scale g of an int8 cache row of d codes at p. */
+static inline float kv_scale(const int8_t *p, int64_t d, int64_t g) {
+    float s;
+    memcpy(&s, p + d + 4 * g, sizeof s);
+    return s;
+}
+
+/* 16 int8 codes at p as floats. Intrinsics where the CPU has the sign-extending loads:
+ * GCC lowers __builtin_convertvector from int8 lanes to scalar code (16 scalar
+ * conversions), which made the int8 decode kernel 2x slower than reading bf16. */
+static inline v16f load16_i8(const int8_t *p) {
+    v16f f;
+#if defined(__AVX512F__)
+    __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__)
+    __m128i c = _mm_loadu_si128((const __m128i *)p);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+    memcpy(&f, &lo, sizeof lo);
+    memcpy((char *)&f + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; i++) f[i] = (float)p[i];
+#endif
+    return f;
 }
 
 #endif

@@ -28,8 +28,10 @@ def test_flags_reach_engine_args():
     args = build_parser().parse_args(BASE + [
         "--block-size", "32", "--no-prefix-caching", "--enforce-eager",
         "--max-model-len", "512", "--kv-cache-memory", "1234", "--attention-backend",
-        "triton", "--gpu-memory-utilization", "0.5", "--model", "m.gguf"])
+        "triton", "--gpu-memory-utilization", "0.5", "--model", "m.gguf",
+        "--kv-cache-dtype", "int8"])
     ea = engine_args_from(args)
+    assert ea.kv_cache_dtype == "int8"
     assert (ea.block_size, ea.enable_prefix_caching, ea.enforce_eager) == (32, False, True)
     assert (ea.max_model_len, ea.kv_cache_memory, ea.attention_backend) == (512, 1234, "triton")
     assert (ea.gpu_memory_utilization, ea.model) == (0.5, "m.gguf")
@@ -37,7 +39,8 @@ def test_flags_reach_engine_args():
 
 
 @pytest.mark.parametrize("flag, value", [("--block-size", "12"),
-                                         ("--attention-backend", "cuda")])
+                                         ("--attention-backend", "cuda"),
+                                         ("--kv-cache-dtype", "fp8")])
 def test_bad_choice_is_rejected_by_the_parser(flag, value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(BASE + [flag, value])
