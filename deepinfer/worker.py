@@ -18,6 +18,7 @@ from deepinfer.model_runner import ModelRunner
 from deepinfer.models.backend import KernelBackend
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 from deepinfer.step_channel import StepChannel
+from deepinfer_kernels.kv_quant import KV_GROUP
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,6 +124,10 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
                             quantization=args.quantization,
                             prepack_weights=args.prepack_weights)
     max_len = model_len_limit(cfg, args.max_model_len)
+    if args.kv_cache_dtype == "int8" and cfg.head_dim % KV_GROUP:
+        raise ValueError(f"kv_cache_dtype='int8' needs a head_dim that is a multiple of "
+                         f"{KV_GROUP} (a scale per {KV_GROUP} values); this model's is "
+                         f"{cfg.head_dim}")
     on_cuda = device.type == "cuda"
     spec = KVCacheSpec(
         block_size=args.block_size,

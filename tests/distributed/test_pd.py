@@ -49,10 +49,10 @@ def _requests(max_tokens: int) -> list[JobRequest]:
     return reqs
 
 
-def _normal(path: str, reqs: list[JobRequest]) -> dict[str, list[int]]:
+def _normal(path: str, reqs: list[JobRequest], **kw) -> dict[str, list[int]]:
     from deepinfer.engine import LLMEngine
 
-    eng = LLMEngine(_args(path))
+    eng = LLMEngine(_args(path, **kw))
     for r in reqs:
         eng.add_request(r.request_id, r.prompt, None, r.params)
     out: dict[str, list[int]] = {}
@@ -89,6 +89,19 @@ def test_pd_1_1_matches_normal(llama, tmp_path):
     assert p["role"] == "prompt" and p["prefix_cache_hits"] > 0
     assert p["handed_off"] == d["received"] == len(PROMPTS)
     assert p["generated_tokens"] + d["generated_tokens"] == sum(map(len, want.values()))
+
+
+def test_pd_hands_off_an_int8_kv_cache(tiny_checkpoints, tmp_path):  # noqa: F811
+    """``kv_cache_dtype="int8"`` on both sides: the hand-off moves the blocks' codes and
+    scales as bytes, so the pair decodes what one engine with an int8 cache does."""
+    qwen3 = tiny_checkpoints["qwen3"].path  # head_dim 32: one scale a row
+    reqs = _requests(8)
+    want = _normal(qwen3, reqs, kv_cache_dtype="int8")
+    out = tmp_path / "out.jsonl"
+    stats = run_disaggregated(_args(qwen3, kv_cache_dtype="int8"), reqs, str(out), 1, 1)
+    got = {k: v["outputs"][0]["token_ids"] for k, v in _read(out).items()}
+    assert got == want
+    assert stats[0]["handed_off"] == stats[1]["received"] == len(PROMPTS)
 
 
 def test_pd_hands_off_token_steering(llama, tmp_path):

@@ -101,3 +101,10 @@ def test_triton_backend_refuses_an_int8_cache(tiny_checkpoints):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'.*attention_backend='torch'"):
         LLM(ckpt.path, dtype="float32", device="cpu", attention_backend="triton",
             kv_cache_dtype="int8", kv_cache_memory=4 << 20)
+
+
+def test_int8_cache_needs_head_dims_of_whole_scale_groups(tiny_checkpoints):
+    ckpt = tiny_checkpoints["llama_tied"]  # head_dim 16: less than one group of 32
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'.*multiple of 32.*16"):
+        LLM(ckpt.path, dtype="float32", device="cpu", kv_cache_dtype="int8",
+            kv_cache_memory=4 << 20)
