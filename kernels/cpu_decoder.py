@@ -25,7 +25,7 @@ import torch
 
 from deepinfer_kernels import cpu_native
 from deepinfer_kernels.cpu_dense import PACKED_MIN_M, dense_gemm_usable
-from deepinfer_kernels.cpu_gguf import INT8_MAX_M, LARGE_M, bf16_gemm, kernel_types
+from deepinfer_kernels.cpu_gguf import INT8_MAX_M, bf16_gemm, kernel_types, tile_min_rows
 from deepinfer_kernels.cpu_gguf_rows16 import rows16_usable
 from deepinfer_kernels.decoder_spec import (
     BF16_TYPE,
@@ -154,8 +154,9 @@ def _max_rows(spec: DecoderStackSpec) -> int:
     """The most sequences a fused step takes: those for which every product has a kernel
     the C step can call, the one the per-layer path picks at that many rows. A row-group
     packed weight: any number. Row-major blocks with bf16 activations and the bf16 GEMM:
-    any number (the GEMM from ``INT8_MAX_M + 1`` rows); otherwise below ``LARGE_M``, from
-    where the per-layer path dequantizes tiles for torch's BLAS. A dense bf16 weight:
+    any number (the GEMM from ``INT8_MAX_M + 1`` rows); otherwise below
+    ``tile_min_rows(dtype)``, from where the per-layer path dequantizes tiles for torch's
+    BLAS. A dense bf16 weight:
     below ``PACKED_MIN_M``, from where oneDNN's packed copy takes it."""
     gemm = spec.final_norm.dtype == torch.bfloat16 and bf16_gemm()
     most = 1 << 30
@@ -165,7 +166,7 @@ def _max_rows(spec: DecoderStackSpec) -> int:
                 if part.qtype == BF16_TYPE:
                     most = min(most, PACKED_MIN_M - 1)
                 elif not part.qtype & ROWS16_FLAG and not gemm:
-                    most = min(most, LARGE_M - 1)
+                    most = min(most, tile_min_rows(spec.final_norm.dtype) - 1)
     return most
 
 

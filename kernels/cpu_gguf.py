@@ -19,9 +19,10 @@ Paths, picked by the activations' dtype and the number of rows M (measured with
   row against it. No dequantized copy of the weight is ever whole; on 2 cores it runs
   at the speed of torch's bf16 GEMM on a dequantized weight from memory, or faster
   (batched decode: 1.2x the throughput of dequantize-at-load).
-- Otherwise M >= ``LARGE_M`` (fp32 or fp16 activations, or no AVX512-BF16): the weight
-  is dequantized by the C kernel into a reused tile in the activations' dtype and
-  multiplied by torch's BLAS.
+- Otherwise, from ``LARGE_M`` rows (fp16 activations, or bf16 without AVX512-BF16) or
+  ``FP32_TILE_MIN_M`` (fp32: the exact kernel up to 32 rows): the weight is dequantized
+  by the C kernel into a reused tile in the activations' dtype and multiplied by torch's
+  BLAS.
 
 All accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
 per-call function a layer keeps (the plan/run split: a decoder makes ~120 of these calls
@@ -41,8 +42,9 @@ from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_args, fail
 from deepinfer_kernels.workspace import scratch
 
-__all__ = ["INT8_MAX_M", "LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul", "dequantize_gguf",
-           "gguf_matmul", "int8_types", "kernel_types"]
+__all__ = ["FP32_TILE_MIN_M", "INT8_MAX_M", "LARGE_M", "available", "bf16_gemm",
+           "bind_gguf_matmul", "dequantize_gguf", "gguf_matmul", "int8_types", "kernel_types",
+           "tile_min_rows"]
 
 #: Activation rows from which the matmul stops reading the weights row by row: the bf16
 #: GEMM or, without it, a dequantized tile and torch's BLAS. With the tile, on 2 cores
@@ -50,6 +52,13 @@ __all__ = ["INT8_MAX_M", "LARGE_M", "available", "bf16_gemm", "bind_gguf_matmul"
 #: throughput of dequantize-at-load, 16 about 0.9x, 4 about parity; one row
 #: (single-stream decode) is where the blocks win, 3x.
 LARGE_M = 4
+#: fp32 activations: the exact kernel (weights read as stored, each row decoded once for
+#: all x rows) up to 32 rows, a dequantized tile from 33. Measured (2 cores, calls
+#: interleaved, tile / exact time; Q4_1 1536x576 and 576x1536, Q8_0 49152x576 (the tied
+#: head)): 4 rows 10.8 / 2.3 / 6.9x, 16 rows 4.0 / 1.4 / 2.3x, 32 rows 2.3 / 0.92 / 1.5x,
+#: 64 rows 1.6 / 0.73 / 1.0x. With LARGE_M for fp32 too, a decode step of 4-8 sequences
+#: wrote the head's 113 MB fp32 tile each step: 27-52 tok/s against 111 at 3 sequences.
+FP32_TILE_MIN_M = 33
 #: With AVX512-BF16, the most bf16 rows that the types with the int8 kernel keep it for;
 #: from one more the bf16 GEMM takes them (``_uses_gemm``; ``decoder_cpu.c`` is handed
 #: the same number, so the fused decode step picks the same kernels). Below ``LARGE_M``.
@@ -140,6 +149,13 @@ def _uses_gemm(m: int, dtype: torch.dtype, qtype: int) -> bool:
     return m > INT8_MAX_M or qtype not in int8_types()
 
 
+def tile_min_rows(dtype: torch.dtype) -> int:
+    """Rows of ``dtype`` activations from which a weight without the bf16 GEMM is
+    dequantized into a tile for torch's BLAS: ``FP32_TILE_MIN_M`` for float32, else
+    ``LARGE_M``."""
+    return FP32_TILE_MIN_M if dtype == torch.float32 else LARGE_M
+
+
 def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
             out: torch.Tensor | None) -> torch.Tensor:
     """Checked arguments: ``x [M, K] @ W.T`` -> ``[M, N]`` in x's dtype."""
@@ -152,7 +168,7 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
             x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), n, blocks.stride(0), qtype,
             res.data_ptr(), res.stride(0), 1, torch.get_num_threads()), "gguf_matmul")
         return res if direct or out is None else out.copy_(res)
-    if m >= LARGE_M:
+    if m >= tile_min_rows(x.dtype):
         tile_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         w = scratch("gguf-tile", n * k, tile_dtype).view(n, k)
         _dequantize_into(blocks, qtype, k, w)
@@ -218,7 +234,7 @@ def bind_gguf_matmul(blocks: torch.Tensor, qtype: int
             fail("x", f"a CPU tensor [M, {k}] (K of this {fmt.name} weight)",
                  f"shape {tuple(x.shape)} on {x.device}")
         m, dtype = x.shape[0], x.dtype
-        if (m >= LARGE_M or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT
+        if (m >= tile_min_rows(dtype) or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT
                 or _uses_gemm(m, dtype, type_id)):
             return _matmul(x, b, type_id, k, None)
         # The decode step's path, ~120 calls a token: straight to the kernel.

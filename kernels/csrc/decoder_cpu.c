@@ -96,7 +96,8 @@ int64_t decoder_stack_fields(void) { return MODEL_FIELDS * 100 + LAYER_FIELDS; }
  * the row-group kernel for a packed weight (cpu_gguf_rows16.py); else, as
  * cpu_gguf.py:_uses_gemm, int8 activations for up to int8_max_m bf16 rows where this CPU
  * and type have them (any number without the bf16 GEMM: the caller keeps m below LARGE_M
- * there), the bf16 GEMM for 2 or more bf16 rows otherwise, else the exact one; a dense
+ * there), the bf16 GEMM for 2 or more bf16 rows otherwise, else the exact one (fp32
+ * activations: the caller keeps m below cpu_gguf.tile_min_rows, 33); a dense
  * bf16 weight always takes the dense GEMM (cpu_dense.py: below PACKED_MIN_M rows, which
  * the caller keeps to). */
 typedef struct {

@@ -1,7 +1,7 @@
 """The native CPU kernels for GGUF weights (``deepinfer_kernels.cpu_gguf``) against the
 dequantized product: every block type, random blocks with negative and subnormal fp16
 scales, fresh data per case, poisoned outputs, both paths (the C matmul below
-``LARGE_M`` rows, dequantized tiles + BLAS from it), and bad input."""
+``tile_min_rows`` rows, dequantized tiles + BLAS from it), and bad input."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def _check(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int) -> Non
 @pytest.mark.parametrize("name", NAMES)
 def test_matmul_matches_dequantized_product(name: str, m: int, dtype: torch.dtype):
     """M = 1 and 3 take the C kernels (3: several rows, fewer than their groups of 4),
-    16, 17 and 64 the dequantized tile; the out buffer is poisoned, so every element must
-    be written."""
-    assert 3 < cpu_gguf.LARGE_M <= 16
+    16 and 17 too for fp32 x (the dequantized tile for 16-bit x), 64 the tile; the out
+    buffer is poisoned, so every element must be written."""
+    assert 3 < cpu_gguf.LARGE_M <= 16 < cpu_gguf.FP32_TILE_MIN_M <= 64
     fmt = BLOCK_FORMATS[GQ[name].value]
     rng = rng_for("cpu", name, m, str(dtype))
     k = ragged_k(fmt)
@@ -101,8 +101,12 @@ def test_bound_matmul_checks_each_call_and_matches_the_checked_one():
     _check(y16, x16, raw, fmt.type_id)
     wide = torch.cat([x, x], dim=1)[:, : x.shape[1]]  # a row stride wider than K
     assert torch.equal(f(wide), f(x))
-    big = torch.from_numpy(rng.standard_normal((cpu_gguf.LARGE_M, ragged_k(fmt))).astype(
-        np.float32))
+    for rows in (cpu_gguf.LARGE_M, cpu_gguf.FP32_TILE_MIN_M - 1):  # fp32: the exact kernel
+        mid = torch.from_numpy(rng.standard_normal((rows, ragged_k(fmt))).astype(np.float32))
+        assert torch.equal(f(mid), cpu_gguf.gguf_matmul(mid, blocks, fmt.type_id))
+        _check(f(mid), mid, raw, fmt.type_id)
+    big = torch.from_numpy(rng.standard_normal((cpu_gguf.FP32_TILE_MIN_M, ragged_k(fmt)))
+                           .astype(np.float32))
     _check(f(big), big, raw, fmt.type_id)  # the dequantized-tile path
     with pytest.raises(ValueError, match=r"^x: expected a CPU tensor \[M, 352\]"):
         f(x[:, :32])

@@ -73,7 +73,7 @@ def _run(model, cfg, dtype, backend, prompts: dict[int, list[int]], steps: int):
     return torch.cat(logits), sim.cache
 
 
-@pytest.mark.parametrize("num_seqs", [1, 2, 3])
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 6])
 def test_fused_decode_step_gives_the_per_layer_bits(auto_model, num_seqs):
     model, cfg, dtype = auto_model
     assert model.decoder_stack.get(model, cpu_backend) is not None
@@ -258,9 +258,9 @@ def test_fused_step_declines_what_it_does_not_take(auto_model):
     assert call(positions=torch.tensor([cfg.max_positions + 5])) is None
     assert call(slot_mapping=torch.tensor([10**9])) is None  # past the cache
     assert call(seq_lens=torch.tensor([10**4], dtype=torch.int32)) is None  # table too short
-    # LARGE_M rows and more: left to the per-layer path (its tiles for torch's BLAS),
+    # From tile_min_rows rows: left to the per-layer path (its tiles for torch's BLAS),
     # unless every product there is the bf16 GEMM.
-    m = cpu_gguf.LARGE_M
+    m = cpu_gguf.tile_min_rows(dtype)
     wide = call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
                 slot_mapping=torch.arange(m), block_tables=table.expand(m, -1),
                 seq_lens=torch.full((m,), 4, dtype=torch.int32))
