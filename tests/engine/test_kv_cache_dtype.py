@@ -23,9 +23,7 @@ def _logprob(entry) -> float:
 @pytest.fixture(scope="module")
 def pair(smollm2_path):
     """The default model in float32 with a float cache and with an int8 one."""
-    # At most 3 sequences a step: fp32 activations keep the kernels that read the blocks
-    # (from 4 rows each weight is dequantized into a float32 tile).
-    kw = dict(dtype="float32", device="cpu", kv_cache_memory=MEMORY, max_num_seqs=3)
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=MEMORY, max_num_seqs=8)
     return LLM(smollm2_path, **kw), LLM(smollm2_path, kv_cache_dtype="int8", **kw)
 
 
