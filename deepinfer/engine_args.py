@@ -14,7 +14,7 @@ from typing import Any
 #: ``quantization``: keep a GGUF file's block weights where a kernel exists, or dequantize.
 QUANTIZATION_CHOICES = ("auto", "none")
 
-#: ``kv_cache_dtype``: the model's dtype, or int8 codes with a scale per (token, KV head).
+#: ``kv_cache_dtype``: the model's dtype, or int8 codes with a scale per 32 values.
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
 #: ``generation_config``: take a checkpoint's sampling defaults, or ignore them.
@@ -78,8 +78,8 @@ class EngineArgs:
     block_size: int = option(16, "tokens per KV-cache block", choices=(8, 16, 32, 64))
     kv_cache_memory: int = option(1 << 30, "bytes of KV cache on CPU")
     kv_cache_dtype: str = option(
-        "auto", "KV cache elements: auto (the model's dtype) or int8 (a scale per token and "
-        "KV head: 0.53x a bf16 cache's bytes, about twice the tokens in the same memory; "
+        "auto", "KV cache elements: auto (the model's dtype) or int8 (a scale per 32 "
+        "values: 0.56x a bf16 cache's bytes, about 1.8x the tokens in the same memory; "
         "attention_backend torch)", choices=KV_CACHE_DTYPE_CHOICES)
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")

@@ -19,7 +19,7 @@ class KVCacheSpec:
     ``gpu_memory_utilization`` of the device after a profiling forward at
     ``max_num_batched_tokens``. Never more blocks than ``max_num_seqs`` sequences of
     ``max_model_len`` tokens could use. ``kv_cache_dtype``: ``auto`` (the model's dtype)
-    or ``int8`` (codes and a scale per row, :mod:`deepinfer_kernels.kv_quant`)."""
+    or ``int8`` (codes and a scale per 32 values, :mod:`deepinfer_kernels.kv_quant`)."""
 
     block_size: int
     max_num_seqs: int
@@ -33,7 +33,8 @@ class KVCacheSpec:
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
                    tp: TPGroup = SINGLE, kv_cache_dtype: str = "auto") -> tuple[int, ...]:
     """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, with this
-    TP rank's KV heads; an int8 cache's rows are ``head_dim + 4`` wide (the scale)."""
+    TP rank's KV heads; an int8 cache's rows are ``head_dim * 9 / 8`` wide (the codes,
+    then a 4-byte scale per 32)."""
     heads = local_sizes(cfg, tp).num_kv_heads
     return (cfg.num_layers, 2, num_blocks, block_size, heads,
             kv_row_width(cfg.head_dim, kv_cache_dtype))

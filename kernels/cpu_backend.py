@@ -149,7 +149,7 @@ def store_kv(
         return
     if k.dim() == 3 and _native_store(k, v, k_cache, v_cache, slot_mapping):
         return
-    if bool((slot_mapping < 0).any()) or is_int8_cache(k_cache):
+    if is_int8_cache(k_cache) or bool((slot_mapping < 0).any()):
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.long()

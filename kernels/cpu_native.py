@@ -205,14 +205,12 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return False
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    _, block_size, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    if k_cache.dtype == torch.int8:
-        d = cache_head_dim(k_cache)
-        if hkv == 0 or hq % hkv or not int8_decode_shape(d, hq // hkv):
-            return False
+    _, block_size, hkv, _ = k_cache.shape
+    hq, d = q.shape[1], cache_head_dim(k_cache)
     if (block_size > MAX_BLOCK_SIZE or hkv == 0 or hq % hkv or hq // hkv > _MAX_GROUP
             or d > _MAX_DIM or d % 8 or q.shape[2] != d or hq * d > _MAX_HEADS_X_DIM):
+        return False
+    if k_cache.dtype == torch.int8 and not int8_decode_shape(d, hq // hkv):
         return False
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.dim() != 2:
         return False

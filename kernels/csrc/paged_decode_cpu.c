@@ -5,7 +5,7 @@
  * needs no torch headers (a build takes about a second). Layout as in docs/kernels.md:
  *   q        [B, Hq, D]            float32, contiguous, already multiplied by the scale
  *   k/v      [NB, BS, Hkv, D]      float32 or bfloat16, contiguous; or int8 [NB, BS, Hkv,
- *            D * 9 / 8] (cache_kind 2: codes and scales, as vec16.h says), which
+ *            D * 9 / 8] (cache_kind KV_INT8: codes and scales, as vec16.h says), which
  *            only the 16-lane kernel reads (head dim 64 or 128, groups up to 8)
  *   tables   [B, W]                int32 or int64, rows `table_stride` apart
  *   seq_lens [B]                   int32
@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "vec16.h" /* KV_* cache kinds */
 
 /* The 16-lane kernel for head dims 64 / 128 and groups up to 8 (paged_decode_wide_cpu.c);
  * 1 for other shapes, which the 8-lane kernel below takes. */
@@ -257,10 +259,10 @@ int64_t paged_decode_attention_cpu(
     int64_t group = num_heads / num_kv_heads, chunks = dim / 8;
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size <= 0 || block_size > MAX_BLOCK)
         return BAD_SHAPE;
-    if (cache_kind < 0 || cache_kind > 2 ||
-        (cache_kind == 2 && !paged_decode_wide_takes(group, dim)))
+    if (cache_kind < KV_F32 || cache_kind > KV_INT8 ||
+        (cache_kind == KV_INT8 && !paged_decode_wide_takes(group, dim)))
         return BAD_SHAPE;
-    const int cache_is_bf16 = cache_kind == 1;
+    const int cache_is_bf16 = cache_kind == KV_BF16;
     /* Work items: sequences, each cut into `splits` KV-head ranges when there are fewer
      * sequences than threads (a small batch still uses every thread). */
     int64_t splits = 1;

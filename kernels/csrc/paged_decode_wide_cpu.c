@@ -69,6 +69,20 @@ static inline __attribute__((always_inline)) void request_row(const void *cache,
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+/* The C vectors of one K or V row at cache offset `at` as floats: widened from bf16 or
+ * fp32, or (I8, a literal) int8 codes widened and multiplied by their group's scale. */
+static inline __attribute__((always_inline)) void load_row(const void *cache, int64_t at,
+                                                           int is_bf16, const int I8,
+                                                           const int C, v16f *r) {
+    if (I8) {
+        const int8_t *p = (const int8_t *)cache + at;
+        for (int c = 0; c < C; ++c)
+            r[c] = load16_i8(p + 16 * c) * kv_scale(p, C * 16, 16 * c / KV_GROUP);
+    } else {
+        for (int c = 0; c < C; ++c) r[c] = load16(cache, at + 16 * c, is_bf16);
+    }
+}
+
 /* The n tokens (n <= the block size) of one block for KV head h and its G query heads,
  * from cache offset `base` (token 0, head h; offsets and `row` count elements, bytes for
  * an int8 cache: I8 is a literal, so each kind compiles its own loop); `next` is the same
@@ -82,7 +96,6 @@ static inline __attribute__((always_inline)) void attend_block(
     const int C, v16f *restrict acc_out, float *restrict m, float *restrict l) {
     const int64_t d = C * 16, esize = I8 ? 1 : is_bf16 ? 2 : 4;
     const int64_t row_bytes = I8 ? kv_int8_row(d) : d * esize;
-    const int8_t *k8 = (const int8_t *)k_cache, *v8 = (const int8_t *)v_cache;
     v16f acc[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = acc_out[g * C + c];
@@ -96,13 +109,7 @@ static inline __attribute__((always_inline)) void attend_block(
             }
             if (next >= 0) request_row(k_cache, next + (t0 + u) * row, row_bytes, esize);
             v16f kr[C];
-            const int64_t at = base + (t0 + u) * row;
-            if (I8) {
-                for (int c = 0; c < C; ++c)
-                    kr[c] = load16_i8(k8 + at + 16 * c) * kv_scale(k8 + at, d, c / 2);
-            } else {
-                for (int c = 0; c < C; ++c) kr[c] = load16(k_cache, at + 16 * c, is_bf16);
-            }
+            load_row(k_cache, base + (t0 + u) * row, is_bf16, I8, C, kr);
             for (int g = 0; g < G; ++g) {
                 v16f x = qv[g * C] * kr[0];
                 for (int c = 1; c < C; ++c) x += qv[g * C + c] * kr[c];
@@ -129,13 +136,7 @@ static inline __attribute__((always_inline)) void attend_block(
         for (int64_t u = 0; u < nt; ++u) {
             if (next >= 0) request_row(v_cache, next + (t0 + u) * row, row_bytes, esize);
             v16f vr[C];
-            const int64_t at = base + (t0 + u) * row;
-            if (I8) {
-                for (int c = 0; c < C; ++c)
-                    vr[c] = load16_i8(v8 + at + 16 * c) * kv_scale(v8 + at, d, c / 2);
-            } else {
-                for (int c = 0; c < C; ++c) vr[c] = load16(v_cache, at + 16 * c, is_bf16);
-            }
+            load_row(v_cache, base + (t0 + u) * row, is_bf16, I8, C, vr);
             for (int g = 0; g < G; ++g) {
                 const float w = p[g][u];
                 for (int c = 0; c < C; ++c) acc[g][c] += w * vr[c];

@@ -166,13 +166,16 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
             const int64_t t = t0 + u;
             const int64_t blk = table_at(tables, a->tables_i64, t / a->block_size);
             const int64_t off = (blk * a->block_size + t % a->block_size) * row + h * hs;
-            if (i8) { /* values widened once a tile: code * scale */
+            if (i8) { /* values widened once a tile: code * its group's scale */
                 const int8_t *kr = (const int8_t *)a->k + off, *vr8 = (const int8_t *)a->v + off;
-                for (int64_t c = 0; c < d; c++)
-                    s->kt[c * KT + u] = (float)kr[c] * kv_scale(kr, d, c / KV_GROUP);
-                for (int64_t c = 0; c < d; c += 16) {
-                    const v16f vr = load16_i8(vr8 + c) * kv_scale(vr8, d, c / KV_GROUP);
-                    memcpy(s->v + u * d + c, &vr, sizeof vr);
+                for (int64_t g = 0; g < d / KV_GROUP; g++) {
+                    const float ks = kv_scale(kr, d, g), vs = kv_scale(vr8, d, g);
+                    for (int64_t c = g * KV_GROUP; c < (g + 1) * KV_GROUP; c++)
+                        s->kt[c * KT + u] = (float)kr[c] * ks;
+                    for (int64_t c = g * KV_GROUP; c < (g + 1) * KV_GROUP; c += 16) {
+                        const v16f vr = load16_i8(vr8 + c) * vs;
+                        memcpy(s->v + u * d + c, &vr, sizeof vr);
+                    }
                 }
                 continue;
             }
