@@ -79,8 +79,8 @@ class EngineArgs:
     kv_cache_memory: int = option(1 << 30, "bytes of KV cache on CPU")
     kv_cache_dtype: str = option(
         "auto", "KV cache elements: auto (the model's dtype) or int8 (a scale per 32 "
-        "values: 0.56x a bf16 cache's bytes, about 1.8x the tokens in the same memory; "
-        "attention_backend torch)", choices=KV_CACHE_DTYPE_CHOICES)
+        "values: 0.56x a bf16 cache's bytes, about 1.8x the tokens in the same memory)",
+        choices=KV_CACHE_DTYPE_CHOICES)
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)")
     enable_prefix_caching: bool = option(

@@ -113,11 +113,6 @@ def build_worker(args: EngineArgs, tp: TensorParallel | None = None,
     # Only the Triton ops are graph-safe: the torch reference's ops sync the host
     # (boolean indexing) and gather whole block tables, so that backend runs eagerly.
     triton = isinstance(backend, ModuleType) and backend.__name__ == "deepinfer_kernels"
-    if triton and args.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} needs "
-                         "attention_backend='torch' (the C kernels on a CPU, the torch "
-                         "reference on a GPU): the Triton kernels read a cache in the "
-                         "model's dtype only")
     path = resolve_model_path(args.model)
     group = tp.group if tp is not None else SINGLE
     model, cfg = load_model(path, dtype=args.dtype, device=str(device), tp=group,

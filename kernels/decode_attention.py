@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.kv_quant import is_int8_cache
 from deepinfer_kernels.runtime import (
     Launch,
     Target,
@@ -24,7 +25,7 @@ from deepinfer_kernels.runtime import (
     pad_dim,
     run_launches,
 )
-from deepinfer_kernels.tl_helpers import mma
+from deepinfer_kernels.tl_helpers import load_kv, mma
 from deepinfer_kernels.validation import (
     check_attention_common,
     check_optional_int,
@@ -50,7 +51,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, KV_INT8: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -93,7 +94,7 @@ def _decode_kernel(
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(kc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         scores = mma(q, tl.trans(k), tl.zeros([GROUP_PAD, BLOCK_N], tl.float32),
                      PRECISION, UPCAST) * qk_scale
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
@@ -101,7 +102,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv(vc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
 
@@ -147,7 +148,8 @@ def _merge_kernel(
              o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _decode_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[str, int]:
+def _decode_config(head_dim_pad: int, elem_bytes: int, target: Target,
+                   kv_int8: bool = False) -> dict[str, int]:
     """Tile size and launch parameters (deterministic; sized by hand for H100/H200).
 
     Decode streams K/V once, so the goal is enough bytes in flight per SM: a tile of keys
@@ -163,6 +165,12 @@ def _decode_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[s
     block_n = 64 if row_bytes <= 128 else 32 if row_bytes <= 256 else 16
     stage_bytes = 2 * block_n * row_bytes  # one K tile + one V tile
     stages = 3 if target.capability[0] >= 8 and 3 * stage_bytes <= 100_000 else 2
+    if kv_int8 and elem_bytes >= 4 and head_dim_pad >= 128:
+        # fp32 over an int8 cache: dequantizing the 16-key tiles spilled 136-3,400 B at 4
+        # warps on sm_80 and sm_90; 8 warps use 182-184 registers at d=128 (3 stages) and
+        # 64-72 at d=256, where 2 stages still spilled (192 B).
+        return {"BLOCK_N": block_n, "num_warps": 8,
+                "num_stages": stages if head_dim_pad == 128 else 1}
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
 
 
@@ -208,7 +216,8 @@ def decode_launches(
     bound = capacity if max_seq_len is None else min(max_seq_len, capacity)
     group = num_q_heads // num_kv_heads
     d_pad = pad_dim(head_dim)
-    cfg = _decode_config(d_pad, q.element_size(), target)
+    kv_int8 = is_int8_cache(k_cache)
+    cfg = _decode_config(d_pad, q.element_size(), target, kv_int8)
     block_n = cfg["BLOCK_N"]
     # The merge keeps a [splits, D] fp32 tile in registers: 64 splits at most.
     splits = min(num_splits, _MAX_SPLITS) if num_splits is not None else choose_num_splits(
@@ -216,7 +225,8 @@ def decode_launches(
     precision, upcast = dot_flags(q.dtype, target.interpret)
     common = dict(
         GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=precision, UPCAST=upcast,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_INT8=kv_int8,
+        PRECISION=precision, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
@@ -265,7 +275,9 @@ def paged_decode_attention(
     """One query per sequence attends to its ``seq_lens[b]`` cached keys (paged cache).
 
     q: ``[B, Hq, D]`` fp32/fp16/bf16 (unit last stride); k_cache, v_cache:
-    ``[num_blocks, block_size, Hkv, D]`` same dtype as q, contiguous; block_tables:
+    ``[num_blocks, block_size, Hkv, D]`` same dtype as q, contiguous, or int8
+    ``[..., D * 9 / 8]`` (:mod:`deepinfer_kernels.kv_quant`; rows dequantized to q's
+    dtype before each ``tl.dot``); block_tables:
     ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32. q head h reads kv head
     ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` (``out`` when given, else q's dtype).
 

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.kv_quant import is_int8_cache
 from deepinfer_kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
-from deepinfer_kernels.tl_helpers import mma
+from deepinfer_kernels.tl_helpers import load_kv, mma
 from deepinfer_kernels.validation import (
     check_attention_common,
     check_optional_int,
@@ -33,22 +34,23 @@ def _attend_tiles(
     kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
     lo, hi, seq_len, qk_scale,
     stride_cb, stride_cs,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, KV_INT8: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the running (acc, l, m); CAUSAL adds the diagonal mask."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < seq_len  # all true in an unmasked tile (lo/hi keep it below seq_len)
         if CAUSAL:
-            n_ok = n < seq_len
             blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             kv_mask = n_ok[:, None] & d_ok[None, :]
         else:
-            # Every key of an unmasked tile is < seq_len by construction of lo/hi.
             blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
             kv_mask = d_ok[None, :]
         row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
-        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv(kc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                 PRECISION, UPCAST) * qk_scale
         if CAUSAL:
@@ -60,7 +62,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv(vc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -76,7 +78,7 @@ def prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_INT8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -110,11 +112,13 @@ def prefill_kernel(
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
             0, full_end, seq_len, qk_scale, stride_cb, stride_cs,
-            BLOCK_SIZE, BLOCK_M, BLOCK_N, False, PRECISION, UPCAST)
+            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, False, KV_INT8,
+            PRECISION, UPCAST)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
             full_end, diag_end, seq_len, qk_scale, stride_cb, stride_cs,
-            BLOCK_SIZE, BLOCK_M, BLOCK_N, True, PRECISION, UPCAST)
+            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, True, KV_INT8,
+            PRECISION, UPCAST)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -144,10 +148,22 @@ _PREFILL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (4, 256): (16, 16, 4, 2),
 }
 _PREFILL_WIDE = (32, 32, 4, 2)  # head_dim > 256: not served today, not compile-checked
+# An int8 cache's tiles where the float ones spill: dequantizing a key/value tile (codes,
+# scales, the float tile) takes registers. sm_90 / sm_80 (Triton 3.9): 16-bit d=128 at
+# 128x32 spilled 8 B on sm_80, 64x32 x 8 warps: 130 / 178; fp32 spilled 16-3,240 B on
+# sm_90 at the float tiles, these use 200 / 188 / 77 registers there.
+_PREFILL_INT8_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (2, 128): (64, 32, 8, 3),
+    (4, 64): (32, 16, 8, 2),
+    (4, 128): (16, 16, 8, 2),
+    (4, 256): (16, 16, 8, 1),
+}
 
 
-def _prefill_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[str, int]:
-    """Tile sizes and launch parameters (deterministic): see ``_PREFILL_TILES``.
+def _prefill_config(head_dim_pad: int, elem_bytes: int, target: Target,
+                    kv_int8: bool = False) -> dict[str, int]:
+    """Tile sizes and launch parameters (deterministic): see ``_PREFILL_TILES`` (and
+    ``_PREFILL_INT8_TILES`` over an int8 cache).
 
     Interpreter: small tiles, because the tests want several tiles per sequence and its
     cost grows with the number of tile steps.
@@ -156,7 +172,8 @@ def _prefill_config(head_dim_pad: int, elem_bytes: int, target: Target) -> dict[
         return {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 1, "num_stages": 1}
     # Heads below 64 use the d=64 tiles (their padded rows are narrower still).
     key = (min(elem_bytes, 4), max(64, head_dim_pad))
-    block_m, block_n, warps, stages = _PREFILL_TILES.get(key, _PREFILL_WIDE)
+    tiles = _PREFILL_INT8_TILES if kv_int8 and key in _PREFILL_INT8_TILES else _PREFILL_TILES
+    block_m, block_n, warps, stages = tiles.get(key, _PREFILL_WIDE)
     if target.capability[0] < 8:  # no cp.async pipelining before sm_80
         stages = min(stages, 2)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
@@ -181,7 +198,8 @@ def prefill_launches(
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     d_pad = pad_dim(head_dim)
-    cfg = _prefill_config(d_pad, q.element_size(), target)
+    kv_int8 = is_int8_cache(k_cache)
+    cfg = _prefill_config(d_pad, q.element_size(), target, kv_int8)
     precision, upcast = dot_flags(q.dtype, target.interpret)
     grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, seq_lens.shape[0])
     return [Launch(prefill_kernel, grid, (
@@ -194,7 +212,7 @@ def prefill_launches(
     ), dict(
         GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=precision, UPCAST=upcast,
+        KV_INT8=kv_int8, PRECISION=precision, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))]
 
@@ -213,7 +231,8 @@ def paged_prefill_attention(
     """Causal attention of packed new tokens over cached prefix + themselves.
 
     q: ``[T, Hq, D]`` packed new tokens (fp32/fp16/bf16, unit last stride); k_cache,
-    v_cache: ``[num_blocks, block_size, Hkv, D]`` same dtype, contiguous, already holding
+    v_cache: ``[num_blocks, block_size, Hkv, D]`` same dtype, contiguous (or int8
+    ``[..., D * 9 / 8]``, :mod:`deepinfer_kernels.kv_quant`), already holding
     this step's K/V (store_kv first); block_tables: ``[B, max_blocks]`` int32;
     query_start_loc: ``[B+1]`` int32 offsets into q; seq_lens: ``[B]`` int32, cached prefix
     plus new tokens. The i-th new query of sequence b sits at position

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer_kernels.gguf_blocks import BlockFormat, block_format
+from deepinfer_kernels.kv_quant import KV_GROUP, is_int8_cache, kv_row_width
 from deepinfer_kernels.runtime import interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -99,15 +100,32 @@ def check_optional_int(name: str, value: object, minimum: int) -> int | None:
 def check_kv_caches(
     k_cache: object, v_cache: object, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both caches ``[num_blocks, block_size, Hkv, D]``, same shape/dtype/device, contiguous."""
-    k = check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device,
-                     contiguous=True)
+    """Both caches ``[num_blocks, block_size, Hkv, D]`` float (or ``D * 9 / 8`` int8, see
+    :mod:`deepinfer_kernels.kv_quant`), same shape/dtype/device, contiguous."""
+    k = check_tensor("k_cache", k_cache, ndim=4, dtypes=(*FLOAT_DTYPES, torch.int8),
+                     device=device, contiguous=True)
     v = check_tensor("v_cache", v_cache, ndim=4, dtypes=(k.dtype,), device=k.device,
                      contiguous=True)
     check_shape("v_cache", v, k.shape)
     if k.shape[1] < 1:  # the kernels divide positions by it
         fail("k_cache", "block_size >= 1 (dim 1)", f"shape {tuple(k.shape)}")
     return k, v
+
+
+def check_cache_rows(k_cache: torch.Tensor, head_dim: int) -> None:
+    """The cache's last dim holds rows of ``head_dim`` values: ``head_dim`` itself in a float
+    cache, ``head_dim`` codes and their scales in an int8 one (``head_dim`` a multiple of 32)."""
+    if not is_int8_cache(k_cache):
+        if k_cache.shape[3] != head_dim:
+            fail("k_cache", f"head_dim {head_dim} (the last dim of q or k)", k_cache.shape[3])
+        return
+    if head_dim % KV_GROUP:
+        fail("k_cache", f"a float cache for head_dim {head_dim} (an int8 cache needs a "
+             f"multiple of {KV_GROUP}: a scale per {KV_GROUP} values)", "an int8 cache")
+    width = kv_row_width(head_dim, "int8")
+    if k_cache.shape[3] != width:
+        fail("k_cache", f"last dim {width} (head_dim {head_dim} int8 codes, then a fp32 "
+             f"scale per {KV_GROUP})", k_cache.shape[3])
 
 
 def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
@@ -135,12 +153,11 @@ def check_attention_common(
     qt = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_runnable_device("q", qt)
     kc, vc = check_kv_caches(k_cache, v_cache, qt.device)
-    if kc.dtype != qt.dtype:
-        fail("k_cache", f"the dtype of q ({qt.dtype})", kc.dtype)
+    if kc.dtype not in (qt.dtype, torch.int8):
+        fail("k_cache", f"the dtype of q ({qt.dtype}) or int8", kc.dtype)
     hq, d = qt.shape[1], qt.shape[2]
     hkv = kc.shape[2]
-    if kc.shape[3] != d:
-        fail("k_cache", f"head_dim {d} (the last dim of q)", kc.shape[3])
+    check_cache_rows(kc, d)
     if hkv == 0 or hq % hkv != 0:
         fail("q", f"a head count divisible by the kv head count {hkv}", hq)
     bt = check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,),

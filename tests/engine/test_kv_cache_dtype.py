@@ -6,6 +6,7 @@ clear errors for what it does not take."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.kv_cache_spec import kv_block_bytes
@@ -121,11 +122,26 @@ def test_unknown_kv_cache_dtype_is_named(smollm2_path):
         LLM(smollm2_path, device="cpu", kv_cache_dtype="fp8")
 
 
-def test_triton_backend_refuses_an_int8_cache(tiny_checkpoints):
-    ckpt = tiny_checkpoints["qwen3"]
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'.*attention_backend='torch'"):
-        LLM(ckpt.path, dtype="float32", device="cpu", attention_backend="triton",
-            kv_cache_dtype="int8", kv_cache_memory=4 << 20)
+def test_triton_backend_reads_an_int8_cache_as_the_torch_backend(tiny_checkpoints):
+    """The Triton store, decode and prefill kernels (interpreted here) on an int8 cache:
+    prompt scores and greedy tokens as the torch backend's over the same int8 cache (the
+    same codes and scales; both dequantize to float32 before the products)."""
+    ckpt = tiny_checkpoints["qwen3"]  # head_dim 32: one scale a row
+    kw = dict(dtype="float32", device="cpu", kv_cache_dtype="int8", kv_cache_memory=4 << 20,
+              max_num_batched_tokens=16, max_num_seqs=2, block_size=8)
+    runs = []
+    for backend in ("triton", "torch"):
+        llm = LLM(ckpt.path, attention_backend=backend, **kw)
+        assert llm.engine.runner.kv_cache.dtype == torch.int8
+        outs = llm.generate([list(range(3, 24)), [9, 8, 7]],
+                            SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0,
+                                           ignore_eos=True), use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids,
+                      [_logprob(next(iter(e.values()))) for e in o.prompt_logprobs[1:]])
+                     for o in outs])
+    for (tokens_t, scores_t), (tokens_r, scores_r) in zip(*runs):
+        assert tokens_t == tokens_r
+        assert scores_t == pytest.approx(scores_r, abs=1e-4)
 
 
 def test_int8_cache_needs_head_dims_of_whole_scale_groups(tiny_checkpoints):

@@ -189,8 +189,11 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         for op, d, (gqa, bs), dt in itertools.product(
                 _ATTN_OPS, (64, 128, 256), shapes, DTYPES):
             cases.append(Case(op, arch, dt, d, gqa, bs))
+        # The int8 cache: each attention op and head_dim in both 16-bit dtypes and fp32.
+        for op, d, dt in itertools.product(_ATTN_OPS, (64, 128, 256), DTYPES):
+            cases.append(Case(op, arch, dt, d, 4, 16, "kv8"))
         for d, bs, dt, variant in itertools.product((64, 128, 256), (16, 32), DTYPES,
-                                                    ("t1", "batch")):
+                                                    ("t1", "batch", "kv8")):
             cases.append(Case("store_kv", arch, dt, d, 1, bs, variant))
         for dt in DTYPES:
             cases.append(Case("clone_blocks", arch, dt, 128, 1, 16, "int64"))
@@ -286,6 +289,11 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
             cases.append(Case(op, arch, dt, d, gqa, bs))
         cases.append(Case("store_kv", arch, "bf16", 128, 1, 16, "t1"))
         cases.append(Case("store_kv", arch, "fp32", 64, 1, 32, "batch"))
+        # The int8 KV cache: its store, and each attention kernel dequantizing its rows.
+        cases.append(Case("store_kv", arch, "bf16", 128, 1, 16, "kv8"))
+        cases.append(Case("decode", arch, "bf16", 128, 4, 16, "kv8"))
+        cases.append(Case("decode_split", arch, "fp16", 64, 8, 32, "kv8"))
+        cases.append(Case("prefill", arch, "bf16", 128, 4, 16, "kv8"))
         cases.append(Case("clone_blocks", arch, "bf16", 128, 1, 16, "int64"))
         cases.append(Case("zero_states", arch, "fp32", 128, 1, 16, "int64"))
         # MoE: the decode GEMM tile (BLOCK_M 16) and the prefill one (128, 8 warps) on each
@@ -332,6 +340,7 @@ def plan(case: Case) -> list[Launch]:
     """The launches the engine's call for ``case`` makes, via the ops' own planners."""
     from deepinfer_kernels.cache_ops import clone_blocks_launches, state_launches
     from deepinfer_kernels.decode_attention import decode_launches
+    from deepinfer_kernels.kv_quant import kv_row_width
     from deepinfer_kernels.prefill_attention import prefill_kernel, prefill_launches
     from deepinfer_kernels.store_kv import store_kv_launches
 
@@ -350,12 +359,14 @@ def plan(case: Case) -> list[Launch]:
     hq = hkv * case.gqa
     scale = d**-0.5
     i32 = torch.int32
+    kv8 = case.variant == "kv8"
+    row, cache_dtype = (kv_row_width(d, "int8"), torch.int8) if kv8 else (d, dtype)
 
     if case.op in ("decode", "decode_split"):
         # Unsplit: 256 sequences of up to 4K tokens (256 * 8 programs cover every SM).
         # Split: one 32K-token sequence, so the split heuristic picks many splits.
         batch, context = (256, 4096) if case.op == "decode" else (1, 32768)
-        cache = _meta(batch * context // bs + 1, bs, hkv, d, dtype=dtype)
+        cache = _meta(batch * context // bs + 1, bs, hkv, row, dtype=cache_dtype)
         q = _meta(batch, hq, d, dtype=dtype)
         launches = decode_launches(
             q, cache, cache, _meta(batch, context // bs, dtype=i32), _meta(batch, dtype=i32),
@@ -368,7 +379,7 @@ def plan(case: Case) -> list[Launch]:
     if case.op == "prefill":
         # 4 prompts of 1K new tokens after a cached prefix, packed.
         seqs, new, context = 4, 1024, 2048
-        cache = _meta(seqs * context // bs + 1, bs, hkv, d, dtype=dtype)
+        cache = _meta(seqs * context // bs + 1, bs, hkv, row, dtype=cache_dtype)
         q = _meta(seqs * new, hq, d, dtype=dtype)
         launches = prefill_launches(
             q, cache, cache, _meta(seqs, context // bs, dtype=i32), _meta(seqs + 1, dtype=i32),
@@ -382,7 +393,7 @@ def plan(case: Case) -> list[Launch]:
     if case.op == "store_kv":
         tokens = 1 if case.variant == "t1" else 256
         k = _meta(tokens, hkv, d, dtype=dtype)
-        cache = _meta(4096, bs, hkv, d, dtype=dtype)
+        cache = _meta(4096, bs, hkv, row, dtype=cache_dtype)
         return store_kv_launches(k, torch.empty_like(k), cache, cache,
                                  _meta(tokens, dtype=torch.int64), target)
     index_dtype = getattr(torch, case.variant or "int64")
