@@ -207,6 +207,25 @@ def test_torch_backend_runs_eagerly_on_cuda(tiny_checkpoints):
     _assert_same_where_margin_clear(*runs)  # the two backends sum in other orders
 
 
+def test_int8_kv_cache_with_graphs_matches_the_torch_backend(tiny_checkpoints):
+    """``kv_cache_dtype="int8"`` on the GPU: the Triton store/decode/prefill kernels under
+    CUDA graphs, against the torch reference over its own int8 cache (same bytes from
+    both stores; fp32 math both ways, summed in other orders)."""
+    ckpt = tiny_checkpoints["qwen3"]  # head_dim 32: whole scale groups
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    runs = []
+    for backend in ("triton", "torch"):
+        llm = LLM(ckpt.path, dtype="float32", device="cuda", attention_backend=backend,
+                  kv_cache_dtype="int8", max_num_seqs=4, gpu_memory_utilization=0.3)
+        assert llm.engine.runner.kv_cache.dtype == torch.int8
+        assert (llm.engine.runner.graphs is not None) == (backend == "triton")
+        runs.append(llm.generate(PROMPTS, sp, use_tqdm=False))
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    _assert_same_where_margin_clear(*runs)
+
+
 def test_kv_cache_fits_the_memory_budget(tiny_checkpoints):
     path = tiny_checkpoints["qwen2"].path
     total = torch.cuda.get_device_properties(0).total_memory
