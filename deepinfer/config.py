@@ -1,10 +1,10 @@
 """Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
-One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and
-the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they differ only in a few
-switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling, tied embeddings,
-which layers are sparse, routing renormalisation, a shared expert), so the model code
-reads those switches instead of branching on names.
+One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3,
+Granite and the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they differ
+only in a few switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling, tied
+embeddings, Granite's scalars, which layers are sparse, routing renormalisation, a shared
+expert), so the model code reads those switches instead of branching on names.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class ModelConfig:
     of per head; ``clip_qkv`` clamps q, k and v to ``[-clip, clip]`` after that.
     ``attention_bias`` is the q/k/v bias, ``o_proj_bias`` the output projection's (Llama,
     Qwen3, Qwen3-MoE and OLMoE have both or neither; Qwen2 and Qwen2-MoE only the first).
+
+    Granite's scalars (1.0 and None elsewhere: no effect): the embeddings are multiplied
+    by ``embedding_multiplier``, each attention and MLP output by ``residual_multiplier``
+    before its residual add, the attention scores by ``attention_multiplier`` (None: 1 /
+    sqrt(head_dim)), and the logits divided by ``logits_scaling``.
     """
 
     architecture: str
@@ -90,6 +95,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # The sampling keys of generation_config.json (SamplingParams names), unchecked.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -205,6 +214,7 @@ class ModelConfig:
         # instruct files name <|eot_id|> there.
         eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        scalars = gguf_granite_fields(get) if arch == "GraniteForCausalLM" else {}
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -227,7 +237,27 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
             torch_dtype=torch.float16,
             **moe,
+            **scalars,
         )
+
+
+def gguf_granite_fields(get: Any) -> dict[str, Any]:
+    """Granite's scalars from llama.cpp's keys, as llama.cpp applies them:
+    ``embedding_scale``, ``residual_scale``, ``logit_scale`` (logits divided by it) and
+    ``attention.scale`` (0 or absent: 1 / sqrt(head_dim)); an absent scale is 1."""
+    out: dict[str, Any] = {}
+    for field_name, key in (("embedding_multiplier", "embedding_scale"),
+                            ("residual_multiplier", "residual_scale"),
+                            ("logits_scaling", "logit_scale"),
+                            ("attention_multiplier", "attention.scale")):
+        value = get(key)
+        if value is None or (field_name == "attention_multiplier" and float(value) == 0):
+            continue
+        if not 0 < float(value) < float("inf"):
+            raise ValueError(f"GGUF metadata granite.{key}={value!r} must be a positive "
+                             "number")
+        out[field_name] = float(value)
+    return out
 
 
 def gguf_moe_fields(arch: str, get: Any, need: Any, dense_layers: tuple[int, ...]

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "GraniteForCausalLM",
 )
 
 #: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
@@ -41,6 +42,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when
@@ -77,13 +79,23 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2MoeForCausalLM": dict(_QWEN, num_key_value_heads=16, max_window_layers=28,
                                 num_experts=60, num_experts_per_tok=4,
                                 moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
+    "GraniteForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
+                               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
 }
+
+#: Granite's four scalars (a Llama otherwise) and their defaults in its config class:
+#: the embeddings times ``embedding_multiplier``, each block's output times
+#: ``residual_multiplier`` before the residual add, attention scores times
+#: ``attention_multiplier`` (instead of 1 / sqrt(head_dim)), logits over
+#: ``logits_scaling``.
+GRANITE_MULTIPLIERS: dict[str, float] = dict(embedding_multiplier=1.0, residual_multiplier=1.0,
+                                             attention_multiplier=1.0, logits_scaling=1.0)
 
 #: Where transformers maps an explicit null of these keys to their fallback (above); the
 #: other classes refuse it or build a broken model, so we refuse it too.
 _NULL_FALLBACK: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                            "OlmoeForCausalLM"),
+                            "OlmoeForCausalLM", "GraniteForCausalLM"),
     "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
 }
 
@@ -107,7 +119,8 @@ def hf_config_fields(cfg: dict[str, Any],
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
     check_architecture(arch)
-    if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):  # the others ignore it
+    # Llama and Granite build MLP biases with mlp_bias; the others ignore the key.
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM") and cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
@@ -147,6 +160,7 @@ def hf_config_fields(cfg: dict[str, Any],
         torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
         generation_defaults=generation_sampling_keys(gen),
         **_hf_moe(arch, cfg),
+        **_hf_multipliers(arch, cfg),
     )
 
 
@@ -206,7 +220,7 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     says); the Qwen families only with ``use_sliding_window``, and Qwen2, Qwen3 and
     Qwen2-MoE only on the layers ``layer_types`` marks, by default from
     ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
-    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM") or (
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "GraniteForCausalLM") or (
             arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
         return None
     window = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
@@ -223,6 +237,23 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
         if not slides:
             return None
     return _count(arch, "sliding_window", window)
+
+
+def _hf_multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's scalars (:data:`GRANITE_MULTIPLIERS`; ``{}`` for the other architectures,
+    which have none): a missing or null key takes the class default; each must be a
+    positive finite number."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    out = {}
+    for key, default in GRANITE_MULTIPLIERS.items():
+        value = cfg.get(key)
+        value = default if value is None else value
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")):
+            raise ValueError(f"{arch}: {key}={value!r} must be a positive number")
+        out[key] = float(value)
+    return out
 
 
 def _hf_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -276,6 +307,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "mixtral": "MixtralForCausalLM",
         "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
+        "granite": "GraniteForCausalLM",
     }.get(model_type or "", model_type)
 
 

@@ -193,7 +193,7 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
     hkv, d = spec.num_kv_heads, spec.head_dim
     int8_attention = cpu_native.int8_decode_shape(d, spec.num_heads // hkv)
     int8_width = kv_row_width(d, "int8")
-    eps, scale = float(spec.eps), float(spec.scale)
+    eps, scale, residual = float(spec.eps), float(spec.scale), float(spec.residual_multiplier)
     int32, int64 = torch.int32, torch.int64
     call, model_ptr, layers_ptr = lib.decoder_stack_cpu, model.data_ptr(), layers.data_ptr()
 
@@ -227,7 +227,7 @@ def bind_decoder_stack(spec: DecoderStackSpec) -> DecoderStackFn | None:
                   kv_cache.shape[2], kv_cache.shape[3], block_tables.data_ptr(),
                   block_tables.shape[1], block_tables.stride(0),
                   int(block_tables.dtype == int64), seq_lens.data_ptr(), eps, scale,
-                  int(kv_int8), torch.get_num_threads())
+                  residual, int(kv_int8), torch.get_num_threads())
         return out if rc == 0 else None
 
     # The descriptors hold raw pointers: the spec (and so every weight) and the

@@ -83,7 +83,7 @@ _SIGNATURES = {
     "decoder_stack_fields": [],
     "sample_tokens_cpu": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I32],
     "decoder_stack_cpu": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                          _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _I32, _I32],
+                          _PTR, _I64, _I64, _I32, _PTR, _F32, _F32, _F32, _I32, _I32],
 }
 MAX_BLOCK_SIZE = 64  # MAX_BLOCK in the C source
 _MAX_GROUP = 64

@@ -69,8 +69,9 @@ class DecoderLayerWeights:
 @dataclass(frozen=True)
 class DecoderStackSpec:
     """The layers in order, the final norm ``[hidden]``, the RoPE cache ``[max_positions,
-    head_dim]`` (cos half, then sin half), the attention shapes and scale, and the one
-    RMSNorm epsilon every norm uses."""
+    head_dim]`` (cos half, then sin half), the attention shapes and scale, the one
+    RMSNorm epsilon every norm uses, and the factor each attention and MLP output takes
+    before its residual add (Granite's ``residual_multiplier``; 1 elsewhere)."""
 
     layers: tuple[DecoderLayerWeights, ...]
     final_norm: torch.Tensor
@@ -82,6 +83,7 @@ class DecoderStackSpec:
     intermediate_size: int
     eps: float
     scale: float
+    residual_multiplier: float = 1.0
 
 
 #: ``f(x, positions, kv_cache, slot_mapping, block_tables, seq_lens)``: embeddings

@@ -1,4 +1,4 @@
-"""Tiny random-weight Hugging Face checkpoints (five architectures, saved once per test
+"""Tiny random-weight Hugging Face checkpoints (six architectures, saved once per test
 session by the ``tiny_checkpoints`` fixture) and the default model's GGUF file."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _COMMON = dict(
 
 
 def tiny_configs() -> dict[str, Any]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
         # Llama 3.1-style scaling; original length 64 < 256 so all three bands are hit.
@@ -33,6 +33,10 @@ def tiny_configs() -> dict[str, Any]:
         "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False),
         "mistral": MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=None),
+        # Granite's four scalars, none of them 1 (Granite-3.x-2B: 12, 0.22, 1/64, 8).
+        "granite": GraniteConfig(**_COMMON, tie_word_embeddings=True, attention_bias=True,
+                                 embedding_multiplier=3.0, residual_multiplier=0.5,
+                                 attention_multiplier=0.09, logits_scaling=2.5),
     }
 
 

@@ -46,8 +46,7 @@ def _blocks(layer: nn.Module) -> Projection | None:
 
 def _layer_weights(block: nn.Module, eps: float) -> DecoderLayerWeights | None:
     attn, mlp = block.self_attn, block.mlp
-    if (not isinstance(mlp, GatedMLP) or attn.full_width_norm or attn.clip_qkv is not None
-            or attn.attn.scale != attn.head_dim ** -0.5):
+    if not isinstance(mlp, GatedMLP) or attn.full_width_norm or attn.clip_qkv is not None:
         return None
     norms = [block.input_layernorm, block.post_attention_layernorm]
     if attn.q_norm is not None:
@@ -85,7 +84,7 @@ def decoder_stack_spec(model: nn.Module) -> DecoderStackSpec | None:
         cos_sin_cache=model.rotary.cos_sin_cache, hidden_size=cfg.hidden_size,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         intermediate_size=model.model.layers[0].mlp.intermediate_size, eps=eps,
-        scale=attn.attn.scale)
+        scale=attn.attn.scale, residual_multiplier=cfg.residual_multiplier)
 
 
 class DecoderStackBinding:

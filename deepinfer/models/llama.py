@@ -1,5 +1,5 @@
-"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and the MoE Qwen3-MoE, Mixtral,
-OLMoE and Qwen2-MoE.
+"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Granite and the MoE Qwen3-MoE,
+Mixtral, OLMoE and Qwen2-MoE.
 
 Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
 attention goes through the paged KV cache via a pluggable kernel backend. The variants
@@ -7,7 +7,8 @@ differ only in switches read from :class:`~deepinfer.config.ModelConfig`: attent
 biases (q/k/v on Qwen2 and Qwen2-MoE; q/k/v and o_proj with ``attention_bias`` on Llama,
 Qwen3, Qwen3-MoE and OLMoE), per-head q/k RMSNorm before RoPE (Qwen3, Qwen3-MoE) or over
 the whole projection (OLMoE, with optional qkv clipping), RoPE scaling, tied embeddings,
-and which layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the
+Granite's embedding / residual / attention / logits scalars, and which layers have a
+sparse MoE block (:mod:`deepinfer.models.moe`) instead of the
 dense MLP.
 
 Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
@@ -76,7 +77,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                              scale=cfg.attention_multiplier)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
@@ -121,6 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             else GatedMLP(cfg.hidden_size, local_sizes(cfg, tp).intermediate_size, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, layer_cache: torch.Tensor,
@@ -128,16 +131,21 @@ class LlamaDecoderLayer(nn.Module):
                 backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, hidden]``: the previous block's output (the embeddings for the first
         layer, with ``residual`` None), residual ``[T, hidden]``: the stream before it.
-        Returns ``(mlp output, residual)``; the stream after this layer is their sum."""
+        Returns ``(mlp output, residual)``; the stream after this layer is their sum
+        (each block's output scaled by ``residual_multiplier`` first, where not 1)."""
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, backend.rms_norm(x, norm.weight, norm.eps)
         else:
             h, residual = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
         a = self.self_attn(rope, h, layer_cache, meta, backend)
+        r = self.residual_multiplier
+        if r != 1.0:
+            a = a * r
         norm = self.post_attention_layernorm
         h, residual = backend.add_rms_norm(a, residual, norm.weight, norm.eps)
-        return self.mlp(h, backend), residual
+        out = self.mlp(h, backend)
+        return (out if r == 1.0 else out * r), residual
 
 
 class LlamaModel(nn.Module):
@@ -207,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
             ``[T, hidden_size]`` final-normed hidden states, model dtype.
         """
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         if not meta.is_prompt:
             hidden = self.decoder_stack.run(self, backend, x, positions, kv_cache,
                                             meta.slot_mapping, meta.block_tables,
@@ -224,10 +234,14 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden_size]`` -> this rank's block of the vocabulary's logits
-        ``[N, vocab_size / tp]`` (rows ``tp.rank * vocab_size / tp`` on), hidden's dtype."""
+        ``[N, vocab_size / tp]`` (rows ``tp.rank * vocab_size / tp`` on), hidden's dtype
+        (divided by ``logits_scaling`` where not 1)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return self.model.embed_tokens.attend(hidden)
+            logits = self.lm_head(hidden)
+        else:
+            logits = self.model.embed_tokens.attend(hidden)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32 (None on a

@@ -19,6 +19,9 @@
  *   layers  [num_layers, LAYER_FIELDS] int64: the norms' pointers, then each projection's
  *           parts (the enums below)
  *   x       [t, hidden] the embeddings (activation dtype); out [t, hidden] the result
+ *   residual each attention and MLP output is multiplied by it before its residual add
+ *           (Granite's residual_multiplier; 1 elsewhere), rounded to the activation dtype
+ *           as the layer-by-layer path's multiply rounds it
  *   kv      [num_layers, 2, num_blocks, block_size, kv heads, head dim] contiguous cache
  *           in the activation dtype, or with kv_int8 an int8 one whose last dim is head
  *           dim * 9 / 8 (each row's codes and scales, vec16.h)
@@ -141,12 +144,18 @@ static int64_t projection(const void *x, int64_t m, int64_t k, const int64_t *pa
     return row == n ? 0 : BAD_TYPE;
 }
 
+/* x[e] *= r for e < n, each product rounded to the activation dtype. */
+static void scale_rows(void *x, int64_t n, float r, int bf16) {
+    for (int64_t e = 0; e < n; e++) store1(x, e, load1(x, e, bf16) * r, bf16);
+}
+
 int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t num_layers,
                           const void *x, void *out, int64_t t, const int64_t *positions,
                           const int64_t *slots, void *kv, int64_t num_blocks,
                           int64_t block_size, const void *tables, int64_t table_width,
                           int64_t table_stride, int32_t tables_i64, const int32_t *seq_lens,
-                          float eps, float scale, int32_t kv_int8, int32_t threads) {
+                          float eps, float scale, float residual, int32_t kv_int8,
+                          int32_t threads) {
     const int64_t h = model[M_HIDDEN], hq = model[M_HQ], hkv = model[M_HKV], d = model[M_DIM];
     const int64_t inter = model[M_INTER], max_pos = model[M_MAX_POS];
     const int bf16 = (int)model[M_BF16];
@@ -206,6 +215,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) store1(attn, e, attn_f[e], bf16);
         rc = projection(attn, t, qs, L + L_O, h, cur, &how);
+        if (!rc && residual != 1.0f) scale_rows(cur, t * h, residual, bf16);
         if (!rc)
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_POST_NORM]), hb, h, t, h, eps,
                               bf16, threads);
@@ -213,6 +223,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
             rc = projection(hb, t, h, L + L_GATE_UP, 2 * inter, gu, &how);
         if (!rc) rc = silu_and_mul_cpu(gu, 2 * inter, act, inter, t, inter, bf16, threads);
         if (!rc) rc = projection(act, t, inter, L + L_DOWN, h, cur, &how);
+        if (!rc && residual != 1.0f) scale_rows(cur, t * h, residual, bf16);
     }
     if (!rc && num_layers > 0)
         rc = rms_norm_cpu(cur, h, res, h, res, h, P(model[M_FINAL_NORM]), out, h, t, h, eps,

@@ -76,7 +76,7 @@ LONG = [5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55, 6
         13, 150, 160, 170, 180, 190, 30]
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "mistral", "granite"])
 def test_tiny_models_greedy_match_transformers(tiny_checkpoints, name):
     ckpt = tiny_checkpoints[name]
     llm = LLM(ckpt.path, dtype="float32", device="cpu", max_num_batched_tokens=24,

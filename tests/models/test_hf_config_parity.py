@@ -301,13 +301,17 @@ def test_eos_default_only_when_no_file_names_one(cfg_eos, gen, want):
     assert ModelConfig.from_hf_config(cfg, gen).eos_token_ids == want
 
 
-def test_mlp_bias_refused_on_llama_only():
-    """Only Llama's MLP has biases with mlp_bias (unsupported here); the other classes
-    ignore the key (test_hf_logits_parity.py loads such checkpoints)."""
-    with pytest.raises(ValueError, match="LlamaForCausalLM: mlp_bias=true is not supported"):
-        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **SHAPE,
-                                    "mlp_bias": True})
-    for arch in SUPPORTED_ARCHITECTURES[1:]:
+def test_mlp_bias_refused_on_llama_and_granite_only():
+    """Only Llama's and Granite's MLPs have biases with mlp_bias (unsupported here); the
+    other classes ignore the key (test_hf_logits_parity.py loads such checkpoints)."""
+    biased = ("LlamaForCausalLM", "GraniteForCausalLM")
+    for arch in biased:
+        with pytest.raises(ValueError, match=f"{arch}: mlp_bias=true is not supported"):
+            ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, "mlp_bias": True})
+        assert "bias=True" in repr(_hf_meta_model(_hf_config(arch, {**SHAPE,
+                                                                    "mlp_bias": True})).model
+                                   .layers[0].mlp)
+    for arch in set(SUPPORTED_ARCHITECTURES) - set(biased):
         ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, "mlp_bias": True})
 
 

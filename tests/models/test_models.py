@@ -29,7 +29,7 @@ def loaded(tiny_checkpoints):
             for name, ck in tiny_checkpoints.items()}
 
 
-VARIANTS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
+VARIANTS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral", "granite"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

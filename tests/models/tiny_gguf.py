@@ -77,6 +77,11 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
             w.add_expert_weights_norm(c.norm_topk_prob)
         if getattr(c, "clip_qkv", None):
             w.add_clamp_kqv(c.clip_qkv)
+    if arch == "granite":  # as llama.cpp's converter writes Granite's scalars
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     rope = c.rope_parameters
     if rope.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
@@ -107,7 +112,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
             mod, kind = rest.rsplit(".", 1)
             if mod == "mlp.shared_expert_gate":
                 t = t.reshape(-1)  # llama.cpp stores it as a vector
-            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "granite") and mod in ("self_attn.q_proj",
+                                                        "self_attn.k_proj"):
                 h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
                 t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
