@@ -1,10 +1,11 @@
 """Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
 One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3,
-Granite and the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they differ
-only in a few switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling, tied
-embeddings, Granite's scalars, which layers are sparse, routing renormalisation, a shared
-expert), so the model code reads those switches instead of branching on names.
+Granite, Phi-3 and the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they
+differ only in a few switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling
+and how much of a head it rotates, tied embeddings, Granite's scalars, which layers are
+sparse, routing renormalisation, a shared expert), so the model code reads those switches
+instead of branching on names.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from deepinfer.hf_config import (
 )
 
 #: RoPE variants the rotary embedding implements.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
 
 #: Each RoPE variant's required numeric parameters (``yarn`` also reads the optional
 #: ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``attention_factor`` and
@@ -35,6 +36,7 @@ ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings"),
 }
 
 @dataclass
@@ -58,6 +60,11 @@ class ModelConfig:
     of per head; ``clip_qkv`` clamps q, k and v to ``[-clip, clip]`` after that.
     ``attention_bias`` is the q/k/v bias, ``o_proj_bias`` the output projection's (Llama,
     Qwen3, Qwen3-MoE and OLMoE have both or neither; Qwen2 and Qwen2-MoE only the first).
+
+    ``partial_rotary_factor`` (Phi-4-mini: 0.75): RoPE rotates the first
+    :attr:`rotary_dim` values of each head and leaves the rest. ``longrope`` (Phi-3.5,
+    Phi-4-mini): ``short_factor`` and ``long_factor`` divide the inverse frequencies of
+    positions below and from ``original_max_position_embeddings`` respectively.
 
     Granite's scalars (1.0 and None elsewhere: no effect): the embeddings are multiplied
     by ``embedding_multiplier``, each attention and MLP output by ``residual_multiplier``
@@ -99,6 +106,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    partial_rotary_factor: float = 1.0
     # The sampling keys of generation_config.json (SamplingParams names), unchecked.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -110,9 +118,16 @@ class ModelConfig:
                 raise ValueError(f"{self.architecture}: decoder_sparse_step="
                                  f"{self.decoder_sparse_step} must be >= 1")
         check_rope_scaling(self.rope_scaling)
+        check_rotary_dims(self)
         if self.num_heads % self.num_kv_heads:  # HF names: an omitted key has a default
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many values of each head RoPE rotates (the first ones): ``head_dim`` times
+        ``partial_rotary_factor``, truncated as transformers does."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def max_positions(self) -> int:
@@ -331,6 +346,30 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
                          "true or false")
     if rope_type == "yarn" and float(scaling["factor"]) < 1:
         raise ValueError(f"rope scaling 'yarn': factor={scaling['factor']!r} must be >= 1")
+
+
+def check_rotary_dims(cfg: ModelConfig) -> None:
+    """``ValueError`` naming the value unless RoPE rotates an even number of values, at
+    least 2, per head, and a ``longrope`` factor list has one entry per rotated pair."""
+    rot = cfg.rotary_dim
+    if rot < 2 or rot % 2 or rot > cfg.head_dim:
+        raise ValueError(f"{cfg.architecture}: partial_rotary_factor="
+                         f"{cfg.partial_rotary_factor} rotates {rot} of head_dim "
+                         f"{cfg.head_dim} values; expected an even count from 2 to head_dim")
+    if rot < cfg.head_dim and (cfg.qk_norm or cfg.qk_norm_full_width):
+        raise ValueError(f"{cfg.architecture}: a partial rotary with q/k norms is not "
+                         "supported")
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if (not isinstance(value, (list, tuple)) or len(value) != rot // 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                           for v in value)):
+            raise ValueError(f"rope scaling 'longrope': {key} must list {rot // 2} positive "
+                             f"numbers (one per rotated pair of head_dim {cfg.head_dim}), "
+                             f"got {value!r}"[:300])
 
 
 def read_json_object(path: str) -> dict[str, Any]:

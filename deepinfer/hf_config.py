@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "OlmoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "GraniteForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 #: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
@@ -81,7 +82,12 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                 moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
     "GraniteForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-6,
                                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "Phi3ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                            bos_token_id=1, eos_token_id=32000),
 }
+
+#: Phi3Config's pre-training context, its default ``original_max_position_embeddings``.
+PHI3_ORIGINAL_POSITIONS = 4096
 
 #: Granite's four scalars (a Llama otherwise) and their defaults in its config class:
 #: the embeddings times ``embedding_multiplier``, each block's output times
@@ -95,7 +101,7 @@ GRANITE_MULTIPLIERS: dict[str, float] = dict(embedding_multiplier=1.0, residual_
 #: other classes refuse it or build a broken model, so we refuse it too.
 _NULL_FALLBACK: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                            "OlmoeForCausalLM", "GraniteForCausalLM"),
+                            "OlmoeForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"),
     "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
 }
 
@@ -131,6 +137,11 @@ def hf_config_fields(cfg: dict[str, Any],
     hidden = _count(arch, "hidden_size", cfg["hidden_size"])
     max_positions = int(_get(cfg, "max_position_embeddings", defaults))
     theta, scaling = _hf_rope(cfg, defaults["rope_theta"], max_positions)
+    if arch == "Phi3ForCausalLM":
+        scaling = _phi3_rope(cfg, scaling, max_positions)
+    elif scaling is not None and scaling["rope_type"] == "longrope":
+        raise ValueError(f"{arch}: rope scaling type 'longrope' is not supported for this "
+                         "architecture (Phi3ForCausalLM only)")
     gen = generation_config or {}
     # The class's EOS only if neither file names one (transformers' generate reads it).
     own = cfg if "eos_token_id" in cfg or "eos_token_id" in gen else defaults
@@ -161,6 +172,8 @@ def hf_config_fields(cfg: dict[str, Any],
         generation_defaults=generation_sampling_keys(gen),
         **_hf_moe(arch, cfg),
         **_hf_multipliers(arch, cfg),
+        **({"partial_rotary_factor": _phi3_partial_rotary(cfg)}
+           if arch == "Phi3ForCausalLM" else {}),
     )
 
 
@@ -204,7 +217,7 @@ def _hf_count(arch: str, cfg: dict[str, Any], key: str, fallback: int) -> int:
 
 def _hf_attention_bias(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     """(q/k/v bias, o_proj bias) as transformers builds the attention of ``arch``."""
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return False, False  # no bias whatever the config says
     if arch == "Qwen2ForCausalLM":
         return True, False  # hard-coded qkv bias, no switch in its config
@@ -237,6 +250,41 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
         if not slides:
             return None
     return _count(arch, "sliding_window", window)
+
+
+def _phi3_rope(cfg: dict[str, Any], scaling: dict[str, Any] | None,
+               max_positions: int) -> dict[str, Any] | None:
+    """Phi-3's RoPE scaling as Phi3Config reads it: ``su`` and ``yarn`` are old names of
+    ``longrope``, whose ``original_max_position_embeddings`` is the top-level key (class
+    default 4096) unless the parameters give one, and whose ``factor`` defaults to
+    ``max_position_embeddings`` over it (what sizes the attention factor)."""
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    if scaling["rope_type"] in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling["rope_type"] == "longrope":
+        orig = scaling.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings") or PHI3_ORIGINAL_POSITIONS
+        scaling["original_max_position_embeddings"] = orig
+        if scaling.get("factor") is None and isinstance(orig, int) and orig > 0:
+            scaling["factor"] = max_positions / orig
+    scaling.pop("partial_rotary_factor", None)
+    return scaling
+
+
+def _phi3_partial_rotary(cfg: dict[str, Any]) -> float:
+    """The share of each head RoPE rotates: ``partial_rotary_factor`` of the RoPE
+    parameters or the top level (Phi-4-mini: 0.75), else 1."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if value is None:
+        value = cfg.get("partial_rotary_factor")
+    value = 1.0 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"Phi3ForCausalLM: partial_rotary_factor={value!r} must be a "
+                         "number in (0, 1]")
+    return float(value)
 
 
 def _hf_multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +356,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "granite": "GraniteForCausalLM",
+        "phi3": "Phi3ForCausalLM",
     }.get(model_type or "", model_type)
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import QUANTIZATION_CHOICES
+from deepinfer.loading.checkpoint_parts import checkpoint_parts
 from deepinfer.loading.safetensors_files import (
     count_tensors,
     iter_safetensors,
@@ -206,7 +207,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto",
         total = count_tensors(files)
     desc = f"Loading {os.path.basename(path)}"
     # Dequantized GGUF tensors own their memory: adopted. Safetensors ones map the file.
-    loaded = model.load_weights(_progress(weights, total, desc), adopt=is_gguf)
+    loaded = model.load_weights(checkpoint_parts(_progress(weights, total, desc), cfg, tp),
+                                adopt=is_gguf)
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. "

@@ -73,15 +73,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor YaRN multiplies cos and sin by (1.0 for the other variants): the
-    config's ``attention_factor``, else ``0.1 ln(factor) + 1``, with DeepSeek's
-    ``mscale`` / ``mscale_all_dim`` ratio where both are set."""
+    """The factor YaRN and LongRoPE multiply cos and sin by (1.0 for the other variants):
+    the config's ``attention_factor``, else for YaRN ``0.1 ln(factor) + 1``, with
+    DeepSeek's ``mscale`` / ``mscale_all_dim`` ratio where both are set, and for LongRoPE
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 for a factor <= 1)."""
     s = scaling or {}
-    if s.get("rope_type") != "yarn":
+    if s.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     factor = float(s["factor"])
+    if s["rope_type"] == "longrope":
+        orig = float(s["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
     def gain(m: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -135,28 +139,55 @@ class RotaryEmbedding(nn.Module):
     The cache ``[max_positions, head_dim]`` (cos half, then sin half) is built once in
     the model dtype; the backend's ``rotary_qk`` reads the rows of a step's positions
     from it: no trig per step, and a CUDA graph can replay it.
+
+    A partial rotary (``rotary_dim < head_dim``) fills the pairs past ``rotary_dim / 2``
+    with cos 1 and sin 0, which leave their values as they are: the loader has reordered
+    each head's q/k rows (:func:`deepinfer.loading.checkpoint_parts.rotary_row_order`) so
+    that the rotated pairs come first, and the kernels need not know. LongRoPE's cache
+    rows below ``original_max_position_embeddings`` use its short factors, the rest its
+    long ones (per position: transformers switches a whole forward at that length).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None,
                  freq_factors: tuple[float, ...] | None = None,
                  dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self._args = (theta, scaling, freq_factors)
         self.register_buffer("cos_sin_cache", self._compute(dtype, device), persistent=False)
 
+    def _freqs(self, t: torch.Tensor) -> torch.Tensor:
+        """Angles ``[positions, rotary_dim / 2]`` of positions ``t`` (fp32)."""
+        theta, scaling, freq_factors = self._args
+        rot = self.rotary_dim
+        if (scaling or {}).get("rope_type") != "longrope":
+            return torch.outer(t, rope_inv_freq(rot, theta, scaling, freq_factors))
+        orig = int(scaling["original_max_position_embeddings"])
+        shape = torch.arange(0, rot, 2, dtype=torch.int64, device="cpu").float() / rot
+        parts = []
+        for key, pos in (("short_factor", t[:orig]), ("long_factor", t[orig:])):
+            ext = torch.tensor(scaling[key], dtype=torch.float32, device="cpu")
+            parts.append(torch.outer(pos, 1.0 / (ext * theta ** shape)))  # as transformers
+        return torch.cat(parts)
+
     def _compute(self, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
         # Always computed on the CPU (explicit device: the loader builds modules under a
         # "meta" default device), then moved.
-        inv_freq = rope_inv_freq(self.head_dim, *self._args)
         t = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(t, inv_freq)
+        freqs = self._freqs(t)
         gain = rope_attention_factor(self._args[1])
         # Computed in fp32 then cast, as HF does, so low-precision models match it.
-        cache = torch.cat([freqs.cos() * gain, freqs.sin() * gain], dim=-1)
+        cos, sin = freqs.cos() * gain, freqs.sin() * gain
+        if self.rotary_dim < self.head_dim:  # the pairs left as they are
+            rest = (t.shape[0], (self.head_dim - self.rotary_dim) // 2)
+            cos = torch.cat([cos, torch.ones(rest, device="cpu")], -1)
+            sin = torch.cat([sin, torch.zeros(rest, device="cpu")], -1)
+        cache = torch.cat([cos, sin], dim=-1)
         return cache.to(dtype=dtype, device=device)
 
     def rebuild(self, dtype: torch.dtype, device: torch.device | str) -> None:

@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         # Explicit device: the loader builds the layers on "meta", the cache must be real.
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling,
-            cfg.rope_freq_factors, dtype=dtype, device=device)
+            cfg.rope_freq_factors, dtype=dtype, device=device, rotary_dim=cfg.rotary_dim)
         # A backend's fused decode step over all the layers, where it has one.
         self.decoder_stack = DecoderStackBinding()
 

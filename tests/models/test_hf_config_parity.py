@@ -27,7 +27,18 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 
 def _hf_config(arch: str, cfg: dict[str, Any]) -> Any:
     cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    if arch == "Phi3ForCausalLM":  # its default pad id (32000) is past these vocabularies
+        cfg = {"pad_token_id": 0, **cfg}
     return cls.from_dict({"architectures": [arch], **cfg})
+
+
+def _hf_qkv(attn: Any) -> tuple[int, int, bool]:
+    """(q rows, k rows, whether q has a bias) of a transformers attention: separate
+    q/k/v projections, or Phi-3's fused ``qkv_proj`` (q, k, v rows; no bias)."""
+    if hasattr(attn, "qkv_proj"):
+        kv = attn.num_key_value_heads * attn.head_dim
+        return attn.qkv_proj.out_features - 2 * kv, kv, attn.qkv_proj.bias is not None
+    return attn.q_proj.out_features, attn.k_proj.out_features, attn.q_proj.bias is not None
 
 
 def _hf_meta_model(hf_cfg: Any) -> Any:
@@ -81,9 +92,10 @@ def test_omitted_keys_as_transformers_builds_them(arch):
     attn = hf_model.model.layers[0].self_attn
     moe = hasattr(hf, "num_experts")
     eos = hf_model.generation_config.eos_token_id  # what generate() uses without a
+    q_rows, k_rows, _ = _hf_qkv(attn)
     want = {  # generation_config.json
-        "num_heads": attn.q_proj.out_features // attn.head_dim,
-        "num_kv_heads": attn.k_proj.out_features // attn.head_dim,
+        "num_heads": q_rows // attn.head_dim,
+        "num_kv_heads": k_rows // attn.head_dim,
         "head_dim": attn.head_dim,
         "rope_theta": hf.rope_parameters["rope_theta"],
         "rms_norm_eps": hf.rms_norm_eps,
@@ -106,8 +118,7 @@ def test_omitted_keys_as_transformers_builds_them(arch):
     assert hf.hidden_act in ("silu", "swish")
     with torch.device("meta"):
         qkv = LlamaForCausalLM(ours).model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.shape[0] == sum(
-        p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert qkv.weight.shape[0] == q_rows + 2 * k_rows
 
 
 @pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim"])
@@ -123,8 +134,8 @@ def test_null_count_as_transformers(arch, key):
             ModelConfig.from_hf_config({"architectures": [arch], **cfg})
         return
     ours = ModelConfig.from_hf_config({"architectures": [arch], **cfg})
-    assert (ours.num_kv_heads, ours.head_dim) == (
-        attn.k_proj.out_features // attn.head_dim, attn.head_dim)
+    assert (ours.num_kv_heads, ours.head_dim) == (_hf_qkv(attn)[1] // attn.head_dim,
+                                                  attn.head_dim)
 
 
 @pytest.mark.parametrize("value", [0, -2, "8", 2.0, True, [4]])
@@ -195,7 +206,7 @@ def test_biases_and_sparse_layers_as_transformers_builds_them(arch, extra):
         ours = LlamaForCausalLM(ours_cfg)
     for hf_layer, layer in zip(hf.model.layers, ours.model.layers, strict=True):
         hf_attn, attn = hf_layer.self_attn, layer.self_attn
-        assert (attn.qkv_proj.bias is not None) == (hf_attn.q_proj.bias is not None)
+        assert (attn.qkv_proj.bias is not None) == _hf_qkv(hf_attn)[2]
         assert (attn.o_proj.bias is not None) == (hf_attn.o_proj.bias is not None)
         assert hasattr(layer.mlp, "w13") == hasattr(hf_layer.mlp, "experts")
 
