@@ -83,3 +83,18 @@ def smollm2_file() -> str | None:
         if os.path.isfile(path):
             return path
     return None
+
+
+def assert_greedy_matches_hf(llm: Any, hf_model: Any, prompts: list[list[int]],
+                             n: int) -> None:
+    """``llm``'s greedy tokens for ``prompts`` (``n`` each, EOS ignored) equal
+    transformers' ``generate`` on ``hf_model``."""
+    from deepinfer import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n,
+                                                ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.inference_mode():
+            want = hf_model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == want, p

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from tests.checkpoints import assert_greedy_matches_hf
 
 
 def _hf_greedy(hf_model, prompt_ids: list[int], max_new: int, eos: int) -> list[int]:
@@ -62,16 +63,6 @@ def test_chat_applies_template(smol_llm):
     assert out[0].prompt_token_ids == list(expected)
 
 
-def _assert_greedy_matches_hf(llm: LLM, hf_model, prompts: list[list[int]], n: int) -> None:
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n,
-                                                ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = hf_model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
-                                     do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == want
-
-
 LONG = [5, 17, 42, 99, 3, 8, 250, 12, 77, 31, 64, 128, 200, 7, 19, 23, 41, 55, 61, 90, 101, 11,
         13, 150, 160, 170, 180, 190, 30]
 
@@ -82,7 +73,7 @@ def test_tiny_models_greedy_match_transformers(tiny_checkpoints, name):
     llm = LLM(ckpt.path, dtype="float32", device="cpu", max_num_batched_tokens=24,
               max_num_seqs=3, kv_cache_memory=8 << 20, block_size=8)
     # The third prompt shares LONG's first two blocks: a prefix-cache hit.
-    _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG, [9, 8, 7], LONG[:16] + [44]], 10)
+    assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG, [9, 8, 7], LONG[:16] + [44]], 10)
 
 
 def test_triton_backend_interpreter_matches_transformers(tiny_checkpoints):
@@ -93,7 +84,7 @@ def test_triton_backend_interpreter_matches_transformers(tiny_checkpoints):
               max_num_batched_tokens=16, max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
     assert llm.engine.backend is deepinfer_kernels
-    _assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG[:18], [9, 8]], 6)
+    assert_greedy_matches_hf(llm, ckpt.hf_model, [LONG[:18], [9, 8]], 6)
 
 
 # ------------------------------------------------------------------ bad input

@@ -61,3 +61,23 @@ class PagedSim:
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(pos), self.cache, meta, backend)
             return model.compute_logits(hidden)
+
+
+def prefill_then_decode(model, cfg: ModelConfig, seqs: dict[int, list[int]],
+                        prompt_len: dict[int, int], steps: int = 4) -> dict[int, torch.Tensor]:
+    """Each sequence's logits ``[prompt_len + steps, vocab]`` through a packed prefill of
+    its first ``prompt_len`` tokens, then ``steps`` teacher-forced decode steps (one token
+    per sequence per step), on a fresh :class:`PagedSim`."""
+    sim = PagedSim(cfg)
+    ours: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+    logits = sim.step(model, {s: seqs[s][:prompt_len[s]] for s in seqs}, is_prompt=True)
+    start = 0
+    for s in seqs:
+        ours[s].append(logits[start:start + prompt_len[s]])
+        start += prompt_len[s]
+    for k in range(steps):
+        logits = sim.step(model, {s: [seqs[s][prompt_len[s] + k]] for s in seqs},
+                          is_prompt=False)
+        for i, s in enumerate(seqs):
+            ours[s].append(logits[i:i + 1])
+    return {s: torch.cat(ours[s]) for s in seqs}

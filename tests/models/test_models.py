@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.loading.loader import load_model
 from deepinfer.models.layers import rope_inv_freq
-from tests.models.paged_sim import PagedSim
+from tests.models.paged_sim import PagedSim, prefill_then_decode
 
 ATOL = 1e-4
 
@@ -40,21 +40,10 @@ def test_prefill_then_decode_matches_hf(name, tiny_checkpoints, loaded):
     g = torch.Generator().manual_seed(7)
     seqs = {0: torch.randint(3, cfg.vocab_size, (13,), generator=g).tolist(),
             1: torch.randint(3, cfg.vocab_size, (9,), generator=g).tolist()}
-    prompt_len = {0: 7, 1: 5}
-    sim = PagedSim(cfg)
-    ours: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-
-    logits = sim.step(model, {s: seqs[s][:prompt_len[s]] for s in seqs}, is_prompt=True)
-    ours[0].append(logits[:7])
-    ours[1].append(logits[7:])
-    for k in range(4):  # decode: one token per sequence per step
-        logits = sim.step(model, {s: [seqs[s][prompt_len[s] + k]] for s in seqs},
-                          is_prompt=False)
-        ours[0].append(logits[0:1])
-        ours[1].append(logits[1:2])
+    ours = prefill_then_decode(model, cfg, seqs, {0: 7, 1: 5})  # decode: 4 steps
 
     for s in seqs:
-        got = torch.cat(ours[s])
+        got = ours[s]
         want = hf_logits(hf, seqs[s][: got.shape[0]])
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         assert want.abs().max() > 0.05  # random weights still give non-trivial logits

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.config import ModelConfig
 from deepinfer.loading.checkpoint_parts import rotary_row_order
 from deepinfer.loading.loader import load_model
 from deepinfer.models.layers import RotaryEmbedding
-from tests.models.paged_sim import PagedSim
+from tests.checkpoints import assert_greedy_matches_hf
+from tests.models.paged_sim import PagedSim, prefill_then_decode
 from tests.models.test_models import hf_logits
 
 HEAD_DIM = 16
@@ -87,19 +88,9 @@ def test_prefill_then_decode_matches_transformers(phi3, variant):
     g = torch.Generator().manual_seed(7)
     seqs = {0: torch.randint(3, cfg.vocab_size, (ORIG - 1,), generator=g).tolist(),
             1: torch.randint(3, cfg.vocab_size, (12,), generator=g).tolist()}
-    prompt_len = {0: ORIG - 5, 1: 8}
-    sim = PagedSim(cfg)
-    ours: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    logits = sim.step(model, {s: seqs[s][:prompt_len[s]] for s in seqs}, is_prompt=True)
-    ours[0].append(logits[:prompt_len[0]])
-    ours[1].append(logits[prompt_len[0]:])
-    for k in range(4):
-        logits = sim.step(model, {s: [seqs[s][prompt_len[s] + k]] for s in seqs},
-                          is_prompt=False)
-        ours[0].append(logits[0:1])
-        ours[1].append(logits[1:2])
+    ours = prefill_then_decode(model, cfg, seqs, {0: ORIG - 5, 1: 8})
     for s in seqs:
-        got = torch.cat(ours[s])
+        got = ours[s]
         want = hf_logits(hf, seqs[s][: got.shape[0]])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         assert want.abs().max() > 0.05
@@ -152,15 +143,8 @@ def test_engine_greedy_tokens_and_window_limit(phi3):
     path, hf = phi3["partial"]
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
-    prompts = [[5, 17, 42, 99, 3, 8, 250, 12], [9, 8, 7]]
-    n = 12  # ends at position 19 < ORIG: transformers keeps the short factors
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n,
-                                                ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == want
+    # 12 tokens end at position 19 < ORIG: transformers keeps the short factors
+    assert_greedy_matches_hf(llm, hf, [[5, 17, 42, 99, 3, 8, 250, 12], [9, 8, 7]], 12)
     window, _ = phi3["window"]
     assert LLM(window, dtype="float32", device="cpu", kv_cache_memory=4 << 20
                ).engine.max_model_len == 47
