@@ -183,14 +183,17 @@ class ModelConfig:
                            tied: bool = False,
                            rope_freq_factors: tuple[float, ...] | None = None,
                            dense_layers: tuple[int, ...] = (),
-                           qkv_bias: bool | None = None) -> ModelConfig:
+                           qkv_bias: bool | None = None,
+                           longrope_factors: tuple[tuple[float, ...], tuple[float, ...]]
+                           | None = None) -> ModelConfig:
         """Build from GGUF key/values (already decoded to Python values).
 
         ``tied``: the file has no ``output.weight`` (the LM head reuses the embedding).
         ``vocab_size`` falls back to the token list length when the metadata lacks it.
         ``dense_layers``: the layers of a mixture-of-experts file that have no router
         (plain MLP). ``qkv_bias``: whether the file has q/k/v biases (None: as the
-        architecture always has them, Qwen2 and Qwen2-MoE).
+        architecture always has them, Qwen2 and Qwen2-MoE). ``longrope_factors``: a
+        Phi-3 file's ``rope_factors_short`` and ``rope_factors_long`` tensors.
         """
         gguf_arch = meta.get("general.architecture")
         if gguf_arch not in GGUF_ARCHITECTURES:
@@ -230,6 +233,10 @@ class ModelConfig:
         eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         bos = meta.get("tokenizer.ggml.bos_token_id")
         scalars = gguf_granite_fields(get) if arch == "GraniteForCausalLM" else {}
+        head_dim = int(get("attention.key_length") or hidden // num_heads)
+        if arch == "Phi3ForCausalLM":
+            scaling, phi3 = gguf_phi3_fields(get, head_dim, longrope_factors)
+            scalars.update(phi3)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -238,7 +245,7 @@ class ModelConfig:
             num_layers=need("block_count"),
             num_heads=num_heads,
             num_kv_heads=int(num_kv),
-            head_dim=int(get("attention.key_length") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -254,6 +261,33 @@ class ModelConfig:
             **moe,
             **scalars,
         )
+
+
+def gguf_phi3_fields(get: Any, head_dim: int,
+                     longrope: tuple[tuple[float, ...], tuple[float, ...]] | None
+                     ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """A Phi-3 file's RoPE scaling and fields, from llama.cpp's keys: LongRoPE from the
+    factor tensors, ``rope.scaling.original_context_length`` (absent: the context length)
+    and ``rope.scaling.attn_factor``; the rotary width ``rope.dimension_count``
+    (Phi-4-mini: 3/4 of a head); ``attention.sliding_window`` (0 or absent: none)."""
+    fields: dict[str, Any] = {}
+    rot = get("rope.dimension_count")
+    if rot:
+        fields["partial_rotary_factor"] = int(rot) / head_dim
+    window = get("attention.sliding_window")
+    if window:
+        fields["sliding_window"] = int(window)
+    if longrope is None:
+        return None, fields
+    ctx = int(get("context_length", 4096))
+    orig = int(get("rope.scaling.original_context_length") or ctx)
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope", "short_factor": list(longrope[0]),
+        "long_factor": list(longrope[1]), "original_max_position_embeddings": orig,
+        "factor": ctx / orig}
+    if get("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+    return scaling, fields
 
 
 def gguf_granite_fields(get: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when

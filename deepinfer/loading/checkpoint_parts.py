@@ -21,9 +21,21 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.models.tensor_parallel import TPGroup, shard_slice, take_shard
 
-__all__ = ["checkpoint_parts", "rotary_row_order"]
+__all__ = ["checkpoint_parts", "fused_part_names", "rotary_row_order"]
 
 _FUSED_SUFFIXES = (".self_attn.qkv_proj.weight", ".mlp.gate_up_proj.weight")
+
+
+def fused_part_names(name: str) -> list[str]:
+    """The Llama part names a Phi-3 fused tensor ``name`` is split into (``[name]`` for
+    any other tensor)."""
+    if name.endswith(_FUSED_SUFFIXES[0]):
+        base = name[:-len("qkv_proj.weight")]
+        return [f"{base}{p}_proj.weight" for p in ("q", "k", "v")]
+    if name.endswith(_FUSED_SUFFIXES[1]):
+        base = name[:-len("gate_up_proj.weight")]
+        return [f"{base}gate_proj.weight", f"{base}up_proj.weight"]
+    return [name]
 
 
 def rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -47,23 +59,22 @@ def _reorder_heads(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def _split_fused(name: str, t: torch.Tensor, cfg: ModelConfig
                  ) -> list[tuple[str, torch.Tensor]]:
     """Phi-3's fused tensors as the Llama parts (``q_proj``/``k_proj``/``v_proj``,
-    ``gate_proj``/``up_proj``); any other tensor as it is."""
-    if name.endswith(_FUSED_SUFFIXES[0]):
+    ``gate_proj``/``up_proj``; rows of weights or of GGUF blocks alike); any other tensor
+    as it is."""
+    parts = fused_part_names(name)
+    if len(parts) == 3:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if t.shape[0] != q + 2 * kv:
             raise ValueError(f"checkpoint tensor {name!r}: {t.shape[0]} rows, expected "
                              f"{q + 2 * kv} (q, k and v of {cfg.num_heads} and "
                              f"{cfg.num_kv_heads} heads of {cfg.head_dim})")
-        base = name[:-len("qkv_proj.weight")]
-        return [(f"{base}q_proj.weight", t[:q]), (f"{base}k_proj.weight", t[q:q + kv]),
-                (f"{base}v_proj.weight", t[q + kv:])]
-    if name.endswith(_FUSED_SUFFIXES[1]):
+        return list(zip(parts, (t[:q], t[q:q + kv], t[q + kv:])))
+    if len(parts) == 2:
         inter = cfg.intermediate_size
         if t.shape[0] != 2 * inter:
             raise ValueError(f"checkpoint tensor {name!r}: {t.shape[0]} rows, expected "
                              f"{2 * inter} (gate and up of intermediate_size {inter})")
-        base = name[:-len("gate_up_proj.weight")]
-        return [(f"{base}gate_proj.weight", t[:inter]), (f"{base}up_proj.weight", t[inter:])]
+        return list(zip(parts, (t[:inter], t[inter:])))
     return [(name, t)]
 
 

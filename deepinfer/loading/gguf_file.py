@@ -29,6 +29,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from deepinfer.config import ModelConfig
+from deepinfer.loading.checkpoint_parts import fused_part_names
 from deepinfer.loading.gguf_dequant import dequantize
 from deepinfer.loading.gguf_reader import GGUFFile
 from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
@@ -61,7 +62,12 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+#: Phi-3 files store gate and up as one ``ffn_up`` tensor (gate rows first).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+#: Tensors folded into the config: Llama 3.1's frequency divisors, Phi-3's LongRoPE factors.
+_CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 #: Stacked expert tensors ``[E, ...]`` -> the per-expert projection of each slice.
 _EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                   "ffn_down_exps": "down_proj"}
@@ -99,9 +105,12 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         vocab = len(tokens)
     elif "token_embd.weight" in names:
         vocab = int(names["token_embd.weight"].shape[-1])
-    freq = None
-    if "rope_freqs.weight" in names:
-        freq = tuple(float(x) for x in tensor_to_numpy(names["rope_freqs.weight"]).ravel())
+    def floats(name: str) -> tuple[float, ...] | None:
+        t = names.get(name)
+        return None if t is None else tuple(float(x) for x in tensor_to_numpy(t).ravel())
+
+    freq = floats("rope_freqs.weight")
+    longrope = (floats("rope_factors_short.weight"), floats("rope_factors_long.weight"))
     # A MoE file's layers without a router are dense (llama.cpp's own MoE graphs have
     # none such; files written from checkpoints with mlp_only_layers do).
     layers = int(meta.get(f"{meta.get('general.architecture')}.block_count") or 0)
@@ -109,7 +118,8 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(
         meta, vocab_size=vocab, tied="output.weight" not in names, rope_freq_factors=freq,
         dense_layers=dense if len(dense) < layers else (),
-        qkv_bias="blk.0.attn_q.bias" in names)
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        longrope_factors=longrope if None not in longrope else None)
 
 
 def tensor_to_numpy(t: Any) -> np.ndarray:
@@ -132,9 +142,10 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor (``None`` for tensors with no parameter; a
-    stacked expert tensor's name ends in ``experts.{}.<proj>.weight``, ``{}`` the expert)."""
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
+    """HF parameter name of a GGUF tensor of a file of llama.cpp architecture ``arch``
+    (``None`` for tensors with no parameter; a stacked expert tensor's name ends in
+    ``experts.{}.<proj>.weight``, ``{}`` the expert)."""
     m = _PER_EXPERT_RE.fullmatch(gguf_name)
     if m:
         layer, proj, e = m.groups()
@@ -144,12 +155,13 @@ def hf_name(gguf_name: str) -> str | None:
         return f"model.layers.{m[1]}.mlp.experts.{{}}.{_EXPERT_STACKS[m[2]]}.weight"
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+        if part not in names:
             raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported decoder")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
-    if base == "rope_freqs":
-        return None  # folded into the config's rope_freq_factors
+    if base in _CONFIG_TENSORS:
+        return None  # folded into the config (rope_freq_factors, LongRoPE's factors)
     if base not in _GLOBAL_NAMES:
         raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported decoder")
     return f"{_GLOBAL_NAMES[base]}.{kind}"
@@ -167,11 +179,12 @@ def quantized_plan(gguf: GGUFFile, kernel_types: frozenset[int],
     are named in the second set as ``"<type> experts"``)."""
     plan: dict[str, int] = {}
     missing: set[str] = set()
+    arch = gguf.metadata.get("general.architecture", "")
     for t in gguf.tensors:
         qtype = Q(t.tensor_type)
         if int(qtype) not in BLOCK_FORMATS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or name.endswith("shared_expert_gate.weight"):
             continue
         if "{}" in name or ".experts." in name:
@@ -182,7 +195,7 @@ def quantized_plan(gguf: GGUFFile, kernel_types: frozenset[int],
                      else [name])
             types = expert_types
         elif len(t.shape) == 2:
-            names, types = [name], kernel_types
+            names, types = fused_part_names(name), kernel_types  # Phi-3's: its parts
         else:
             continue
         if int(qtype) in types:
@@ -197,13 +210,15 @@ def iter_gguf(gguf: GGUFFile, cfg: ModelConfig, keep: Container[str] = ()
     """Yield ``(hf_name, tensor)`` for every weight, q/k rows un-permuted, stacked experts
     one slice each: float32, or for the names in ``keep`` the raw blocks, uint8
     ``[rows, row_bytes]`` (a copy: the file's map is not held)."""
+    arch = gguf.metadata["general.architecture"]
     # llama.cpp's converter permutes q/k of llama files and of granite ones (a llama).
-    llama = gguf.metadata["general.architecture"] in ("llama", "granite")
+    llama = arch in ("llama", "granite")
     for t in gguf.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
-        if name in keep or ("{}" in name and name.format(0) in keep):
+        if (fused_part_names(name)[0] in keep
+                or ("{}" in name and name.format(0) in keep)):
             w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
         else:
             w = torch.from_numpy(np.ascontiguousarray(tensor_to_numpy(t)))

@@ -226,3 +226,37 @@ def test_tensor_parallel_splits_the_fused_tensors_per_rank(phi3, tmp_path, monke
     out_file = str(tmp_path / "rank0.pt")
     assert spawn_ranks(_tp_rank, 2, (path, chunks, out_file)) == 1
     torch.testing.assert_close(torch.load(out_file), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("linear_type", [None, "Q8_0"], ids=["f32", "q8_0-kept"])
+def test_gguf_file_matches_transformers(phi3, tmp_path, linear_type):
+    """A Phi-3 GGUF as llama.cpp's converter writes it (``attn_qkv``, gate and up in one
+    ``ffn_up``, ``rope_factors_long/short``, ``rope.dimension_count``, no q/k
+    permutation): its config, and its logits. Q8_0 projections stay blocks (the fused
+    tensors' rows split as blocks) and land near the float ones."""
+    from deepinfer.models.parallel_layers import Linear
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    folder, hf = phi3["partial"]
+    path = str(tmp_path / "phi3.gguf")
+    write_tiny_gguf(hf, "phi3", path, linear_type=linear_type)
+    model, cfg = load_model(path, dtype="float32", device="cpu")
+    want_cfg = ModelConfig.from_hf_folder(folder)
+    assert (cfg.architecture, cfg.rotary_dim, cfg.rope_scaling["rope_type"]) == (
+        "Phi3ForCausalLM", 12, "longrope")
+    for key in ("short_factor", "long_factor"):
+        assert cfg.rope_scaling[key] == pytest.approx(want_cfg.rope_scaling[key])
+    assert cfg.rope_scaling["original_max_position_embeddings"] == ORIG
+    tokens = torch.randint(3, cfg.vocab_size, (ORIG - 2,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    got = PagedSim(cfg).step(model, {0: tokens}, is_prompt=True)
+    want = hf_logits(hf, tokens)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Linear) and (qkv.qtype is not None) == (linear_type is not None)
+    if linear_type is None:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    else:  # int8 weights: near, and the same argmax where it is clear
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+        top2 = want.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.1
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

@@ -15,6 +15,8 @@ GGUF_LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    # Phi-3's fused projections (llama.cpp's ffn_up holds gate then up there)
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -35,10 +37,11 @@ def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
 
 
 def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
-                     expert_type: str | None = None) -> None:
+                     expert_type: str | None = None, linear_type: str | None = None) -> None:
     """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
-    experts stacked (or one tensor each, ``per_expert``), MoE keys; ``expert_type``: the
-    experts quantized to that block type by ``gguf`` (a 32-weight type)."""
+    experts stacked (or one tensor each, ``per_expert``), MoE keys, Phi-3's keys and
+    LongRoPE factor tensors; ``expert_type``: the experts quantized to that block type by
+    ``gguf`` (a 32-weight type); ``linear_type``: the layers' projections too."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
@@ -77,6 +80,16 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
             w.add_expert_weights_norm(c.norm_topk_prob)
         if getattr(c, "clip_qkv", None):
             w.add_clamp_kqv(c.clip_qkv)
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3's RoPE and window
+        rope = c.rope_parameters
+        rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(rot)
+        w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+        w.add_sliding_window(c.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            for kind in ("long", "short"):
+                w.add_tensor(f"rope_factors_{kind}.weight",
+                             np.array(rope[f"{kind}_factor"], dtype=np.float32))
     if arch == "granite":  # as llama.cpp's converter writes Granite's scalars
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
@@ -118,6 +131,11 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
                 t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
             gname = f"blk.{i}.{GGUF_LAYER[mod]}.{kind}"
+            if linear_type is not None and t.dim() == 2:
+                qtype = GGMLQuantizationType[linear_type]
+                arr = np.ascontiguousarray(t.numpy())
+                w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+                continue
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight",
                      "model.norm.weight": "output_norm.weight",
