@@ -86,6 +86,8 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    #: A base-model checkpoint (``LlamaModel``...: no lm_head): it embeds, never generates.
+    embedding_only: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.quantized import weight_bytes
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from deepinfer.pooling import EMBED_SAMPLING, PoolingParams
 from deepinfer.reasoning import reasoning_end_token
 from deepinfer.request_state import (
     AdmissionLimits,
@@ -28,7 +29,9 @@ from deepinfer.request_state import (
     SampleState,
     SequenceExport,
     prompt_score_k,
+    record_embeddings,
     record_prompt_scores,
+    watch_sample_tokens,
 )
 from deepinfer.sampling.params import SamplingParams, checked_defaults
 from deepinfer.sampling.sampled_tokens import SampledTokens
@@ -115,6 +118,7 @@ class LLMEngine:
         self._last_done = 0.0  # when the last step completed (overlapping step times)
         # Samples whose tokens need host work each step (stop strings, logprobs).
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
+        self._pooling: set[str] = set()  # live embedding requests (their ids)
         self.stats = EngineStats()
 
     @property
@@ -144,11 +148,22 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int] | None, params: SamplingParams, *,
                     messages: list[dict[str, str]] | None = None,
-                    chat_template_kwargs: dict | None = None) -> None:
+                    chat_template_kwargs: dict | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """Queue one request given as text (``prompt``), token ids, or a chat
         (``messages``, the model's chat template applied, with ``chat_template_kwargs`` as
-        its variables). Raises ``ValueError`` naming it if it is malformed or can never
-        run; nothing is queued then."""
+        its variables). ``pooling``: an embedding request (``params`` unused: it runs
+        with ``EMBED_SAMPLING``). Raises ``ValueError`` naming it if it is malformed or
+        can never run; nothing is queued then."""
+        if pooling is not None:
+            pooling.validate(self.model_config.hidden_size)
+            if self.admission.decode_model_len is not None:
+                raise ValueError(f"request {request_id!r}: an embedding request cannot be "
+                                 "handed off (this is a PROMPT engine)")
+            params = EMBED_SAMPLING
+        elif self.model_config.embedding_only:
+            raise ValueError(f"request {request_id!r}: a base model without a language-"
+                             "model head embeds (LLM.embed) but cannot generate")
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
@@ -171,15 +186,19 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
             )
-        params = self.admission.fit(request_id, len(prompt_token_ids),
-                                    params.with_defaults(self.sampling_defaults))
+        if pooling is None:
+            params = params.with_defaults(self.sampling_defaults)
+        params = self.admission.fit(request_id, len(prompt_token_ids), params)
         steering = resolve_steering(request_id, params, self.tokenizer, vocab)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = RequestState(request_id, prompt, list(prompt_token_ids), params,
                            frozenset(stop_ids), thinking=(chat_template_kwargs or {}).get(
-                               "enable_thinking", True) is not False, steering=steering)
+                               "enable_thinking", True) is not False, steering=steering,
+                           pooling=pooling)
+        if pooling is not None:
+            self._pooling.add(request_id)
         if params.structured_outputs is not None:
             # Parked until its grammar is compiled (_launch queues it), checked now as
             # _queue will: a request that can never run fails here, alone.
@@ -336,6 +355,8 @@ class LLMEngine:
 
     def _forget(self, req: RequestState | None) -> None:
         """Drop the per-token watch of a request's samples (finished, aborted, sent)."""
+        if req is not None and req.pooling is not None:
+            self._pooling.discard(req.request_id)
         if req is not None and self.masks.live:
             self.masks.forget(req.request_id)
         if req is not None and self._watched:
@@ -365,7 +386,7 @@ class LLMEngine:
         done, self._undelivered = self._undelivered, []
         return done
 
-    def _launch(self) -> tuple[object, SampledTokens, float]:
+    def _launch(self) -> tuple[object, SampledTokens, float, list[str]]:
         """Schedule a step and enqueue it on the device."""
         t0 = time.perf_counter()
         if self.structured.live:
@@ -376,15 +397,21 @@ class LLMEngine:
         sampling = self._step_sampling(out)
         mask = self.masks.logits_mask(out.sample_seqs) if self.masks.live else None
         k = 0 if out.scores is None else prompt_score_k(self.requests, out.scores)
-        return out, self.runner.launch(out, sampling, mask, score_k=k), t0
+        pool = ([i for i, s in enumerate(out.sample_seqs) if s.request_id in self._pooling]
+                if self._pooling else [])
+        sampled = self.runner.launch(out, sampling, mask, score_k=k, pool_rows=pool)
+        return out, sampled, t0, [out.sample_seqs[i].request_id for i in pool]
 
-    def _complete(self, out, sampled: SampledTokens, t0: float) -> list[RequestOutput]:
+    def _complete(self, out, sampled: SampledTokens, t0: float, pooled_ids: list[str]
+                  ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Wait for a launched step's sampled ids and apply them; returns the requests
-        that finished."""
+        that finished. ``pooled_ids``: the embedding requests whose rows it pooled."""
         token_ids, logprobs = sampled.result()
         self._open_steps.popleft()  # ``out``: steps complete in launch order
         if out.scores is not None and sampled.prompt_scores is not None:
             record_prompt_scores(self.requests, out.scores, sampled.prompt_scores)
+        if pooled_ids:
+            record_embeddings(self.requests, pooled_ids, sampled.pooled)
         finished_seqs = self.scheduler.update(out, token_ids)
         dropped = self.scheduler.dropped
         now = time.perf_counter()
@@ -399,8 +426,9 @@ class LLMEngine:
             stats.decode_time += dt
         stats.generated_tokens += len(token_ids) - len(dropped)
         if self._watched:
-            self._per_token_host_work(out.sample_seqs, token_ids, logprobs, finished_seqs,
-                                      {s.seq_id for s in dropped})
+            watch_sample_tokens(self._watched, out.sample_seqs, token_ids, logprobs,
+                                finished_seqs, {s.seq_id for s in dropped},
+                                self.scheduler.finish_sequence)
         if self.masks.live:
             finished_seqs += self.masks.after_update(out.sample_seqs,
                                                      self.scheduler.finish_sequence)
@@ -420,31 +448,3 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._forget(req)
         return done
-
-    def _per_token_host_work(self, sample_seqs: list[Sequence], token_ids: list[int],
-                             logprobs: list | None, finished_seqs: list[Sequence],
-                             dropped: set[int]) -> None:
-        """Logprobs and stop strings: only the samples that asked for them. A stop
-        string that matches ends its sequence here (appended to ``finished_seqs``).
-        ``dropped``: seq ids whose token this step did not apply (they had ended)."""
-        watched = self._watched
-        for i, seq in enumerate(sample_seqs):
-            entry = watched.get(seq.seq_id)
-            if entry is None or seq.seq_id in dropped:
-                continue
-            req, st = entry
-            tok = token_ids[i]
-            if st.logprobs is not None and logprobs is not None:
-                st.logprobs.append(logprobs[i])
-            if st.detok is None:
-                continue
-            if tok in req.stop_token_ids and seq.finish_reason == "stop":
-                continue  # the stop token itself is not part of the text
-            st.detok.add(tok)
-            if st.detok.stopped and seq.finish_reason is None:
-                self.scheduler.finish_sequence(seq.seq_id, "stop")
-                finished_seqs.append(seq)
-            elif st.detok.stopped and seq.finish_reason == "length":
-                # The last allowed token completed a stop string: the text ends there,
-                # so the reason is the stop string (as vLLM reports it).
-                seq.finish_reason = "stop"

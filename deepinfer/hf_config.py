@@ -26,6 +26,16 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Phi3ForCausalLM",
 )
 
+#: Base-model architectures (the decoder without its language-model head, as embedding
+#: models such as e5-mistral are saved) -> the one whose decoder they are. Such a
+#: checkpoint embeds (``LLM.embed``) and never generates (``ModelConfig.embedding_only``).
+BASE_MODEL_ARCHITECTURES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+
 #: The mixture-of-experts subset of :data:`SUPPORTED_ARCHITECTURES`.
 MOE_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
@@ -125,6 +135,8 @@ def hf_config_fields(cfg: dict[str, Any],
     ``KeyError`` for a missing shape key."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+    headless = arch in BASE_MODEL_ARCHITECTURES
+    arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
     check_architecture(arch)
     # Llama and Granite build MLP biases with mlp_bias; the others ignore the key.
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM") and cfg.get("mlp_bias"):
@@ -162,7 +174,10 @@ def hf_config_fields(cfg: dict[str, Any],
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Headless: no lm_head to load; the one token an embedding request samples (and
+        # drops) is scored against the embedding matrix.
+        tie_word_embeddings=headless or bool(cfg.get("tie_word_embeddings", False)),
+        embedding_only=headless,
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

@@ -12,7 +12,8 @@ from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from deepinfer.pooling import PoolingParams
 from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
@@ -119,32 +120,59 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(convs))
         return self._run(convs, params, use_tqdm, chat_template_kwargs)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (text, or a list of token ids): the final-normed hidden
+        state of its last token (``deepinfer.pooling``), unit length unless
+        ``PoolingParams(normalize=False)``; ``outputs.embedding`` is a list of floats
+        (``dimensions`` or ``hidden_size`` of them). Outputs in input order.
+
+        ``pooling_params``: one for all prompts, or one per prompt. Every request is
+        validated before any work starts; an invalid one raises ``ValueError``. The
+        prompts run as prefill steps of the engine (batched, chunked, prefix-cached)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
+        pooling = self._params_per_prompt(pooling_params, len(prompts), PoolingParams,
+                                          "pooling_params")
+        unused = [SamplingParams()] * len(prompts)
+        return self._run(prompts, unused, use_tqdm, pooling=pooling)
+
     @staticmethod
-    def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
+    def _params_per_prompt(sp, n: int, kind: type = SamplingParams,
+                           name: str = "sampling_params") -> list:
         if sp is None:
-            return [SamplingParams() for _ in range(n)]
-        if isinstance(sp, SamplingParams):
+            return [kind() for _ in range(n)]
+        if isinstance(sp, kind):
             return [sp] * n
         sp = list(sp)
         if len(sp) != n:
-            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts; "
-                             "pass one SamplingParams or one per prompt")
+            raise ValueError(f"{name}: got {len(sp)} for {n} prompts; "
+                             f"pass one {kind.__name__} or one per prompt")
+        bad = [type(p).__name__ for p in sp if not isinstance(p, kind)]
+        if bad:
+            raise ValueError(f"{name}: expected {kind.__name__} objects, got {bad[0]}")
         return sp
 
     def _run(self, prompts: list[Prompt] | list[Messages], params: list[SamplingParams],
-             use_tqdm: bool, template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, template_kwargs: dict | None = None,
+             pooling: list[PoolingParams] | None = None) -> list:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
+        pools = pooling or [None] * len(prompts)
         try:
-            for rid, prompt, sp in zip(ids, prompts, params):
+            for rid, prompt, sp, pool in zip(ids, prompts, params, pools):
                 if isinstance(prompt, str):
-                    engine.add_request(rid, prompt, None, sp)
+                    engine.add_request(rid, prompt, None, sp, pooling=pool)
                 elif prompt and isinstance(prompt[0], dict):  # a conversation (chat)
                     engine.add_request(rid, None, None, sp, messages=prompt,
                                        chat_template_kwargs=template_kwargs)
                 elif isinstance(prompt, (list, tuple)):
-                    engine.add_request(rid, None, list(prompt), sp)
+                    engine.add_request(rid, None, list(prompt), sp, pooling=pool)
                 else:
                     raise ValueError("expected a string or a list of token ids, got "
                                      f"{type(prompt).__name__}")

@@ -229,17 +229,17 @@ class ModelRunner:
 
     def launch(self, out, sampling: StepSampling | None = None,
                logits_mask: Callable[[], TokenMask | None] | None = None,
-               score_k: int = 0) -> SampledTokens:
+               score_k: int = 0, pool_rows: list[int] | None = None) -> SampledTokens:
         """Enqueue one step (see ``_launch``). A TP leader whose step failed part-way
         (its followers are left inside that step's collectives) refuses any further
         step: the group is out of step for good."""
         if self.channel is None:
-            return self._launch(out, sampling, logits_mask, score_k)
+            return self._launch(out, sampling, logits_mask, score_k, pool_rows)
         if self._broken:
             raise RuntimeError("a step failed part-way on this tensor-parallel leader: its "
                                "ranks are out of step; build a new engine")
         try:
-            return self._launch(out, sampling, logits_mask, score_k)
+            return self._launch(out, sampling, logits_mask, score_k, pool_rows)
         except BaseException:
             self._broken = True
             raise
@@ -247,11 +247,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, out, sampling: StepSampling | None = None,
                 logits_mask: Callable[[], TokenMask | None] | None = None,
-                score_k: int = 0) -> SampledTokens:
+                score_k: int = 0, pool_rows: list[int] | None = None) -> SampledTokens:
         """Enqueue one step: copies, forward, sampling. Returns the sampled ids' handle
         without waiting for the device (logprobs, when asked for, come with the ids; a
         prompt step's scored rows, ``prompt_scores``, with their top ``score_k``, are
-        read at once).
+        read at once; so are the hidden rows of the samples at ``pool_rows``, sample
+        order indices, as ``pooled``: the embedding requests').
 
         ``logits_mask`` (structured output): the sampling is deferred (the handle's
         ``finish_sampling()`` or ``result()`` enqueues it); it calls ``logits_mask()``
@@ -304,6 +305,9 @@ class ModelRunner:
             rows = hidden[: b.num_tokens]  # decode samples every row, in order: no gather
         else:
             rows = hidden[self._to_device(b.logits_indices)]
+        # Read before the sampling is enqueued: on CUDA this waits for the forward, which
+        # only steps holding an embedding request pay.
+        pooled = rows[pool_rows].float().cpu() if pool_rows else None
         logits = self.model.compute_logits(rows)
         slots = self._to_device(b.sample_state_slots)
         b.mark_copied()
@@ -317,6 +321,7 @@ class ModelRunner:
             sampled = SampledTokens.deferred(
                 lambda: self._sample_deferred(logits, st, slots, logits_mask))
         sampled.prompt_scores = scores
+        sampled.pooled = pooled
         return sampled
 
     def _sample_deferred(self, *args) -> SampledTokens:

@@ -1,9 +1,10 @@
 """What ``LLM.generate`` returns: one ``RequestOutput`` per prompt, one
-``CompletionOutput`` per sample (``n`` of them)."""
+``CompletionOutput`` per sample (``n`` of them); what ``LLM.embed`` returns: one
+``EmbeddingRequestOutput`` per prompt."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # One dict per generated token: {token_id: logprob} with the sampled token and the top-k.
@@ -82,3 +83,30 @@ class RequestOutput:
             else logprob_dicts(self.prompt_logprobs),
             "error": self.error,
         }
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding: ``PoolingParams.dimensions`` floats (``hidden_size``
+    without it); empty when the request failed (its ``error`` says why)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The embedding of one prompt (vLLM's names). ``prompt`` is None when token ids
+    were given; ``error``: why the request failed while running (None when it did not)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record of the request and its embedding (a flat ``embedding``)."""
+        record = asdict(self)
+        record["embedding"] = record.pop("outputs")["embedding"]
+        return record

@@ -11,8 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from deepinfer.detokenizer import IncrementalDetokenizer, decode_once
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from deepinfer.pooling import PoolingParams, pool_embedding
 from deepinfer.prompt_scoring import PromptScores
 from deepinfer.reasoning import split_reasoning
 from deepinfer.sampling.params import SamplingParams
@@ -60,6 +68,10 @@ class RequestState:
     thinking: bool = True
     #: ``logit_bias`` / ``allowed_token_ids`` / ``bad_words`` resolved (None: none).
     steering: Steering | None = None
+    #: An embedding request (``LLM.embed``): how its vector is made; None for generation.
+    pooling: PoolingParams | None = None
+    #: Its vector, once its last prompt step ran.
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -85,11 +97,18 @@ class RequestState:
         return st, True
 
     def output(self, tokenizer: Any, reasoning_parser: str | None = None,
-               error: str | None = None) -> RequestOutput:
-        """The finished request's ``RequestOutput``. ``max_tokens=0`` (scored only): the
+               error: str | None = None) -> RequestOutput | EmbeddingRequestOutput:
+        """The finished request's ``RequestOutput`` (``EmbeddingRequestOutput`` for an
+        embedding request). ``max_tokens=0`` (scored only): the
         prompt step's token is dropped. ``reasoning_parser``: each text's reasoning split
         from its answer (``deepinfer.reasoning``). ``error``: why it failed while
         running (its outputs are then partial)."""
+        if self.pooling is not None:
+            if self.embedding is None and error is None:
+                error = "no embedding: the request ended before its prompt was run"
+            return EmbeddingRequestOutput(self.request_id, self.prompt,
+                                          self.prompt_token_ids,
+                                          EmbeddingOutput(self.embedding or []), error=error)
         keep = self.params.max_tokens
         outs = []
         for i, st in sorted(self.samples.items()):
@@ -203,6 +222,18 @@ def prompt_score_k(requests: dict[str, RequestState], rows: ScoreRows) -> int:
     return max((k for k in ks if k is not None), default=0)
 
 
+def record_embeddings(requests: dict[str, RequestState], request_ids: list[str],
+                      rows: torch.Tensor | None) -> None:
+    """Give each embedding request of a step its vector: ``rows`` float32 ``[P, H]``
+    (``SampledTokens.pooled``), one per id in ``request_ids`` (an aborted one skipped)."""
+    if rows is None:
+        return
+    for rid, row in zip(request_ids, rows):
+        req = requests.get(rid)
+        if req is not None and req.pooling is not None:
+            req.embedding = pool_embedding(row, req.pooling)
+
+
 def record_prompt_scores(requests: dict[str, RequestState], rows: ScoreRows,
                          scores: PromptScores) -> None:
     """Append each scored row's entry (``{token: logprob}``: the prompt token it scores,
@@ -219,3 +250,34 @@ def record_prompt_scores(requests: dict[str, RequestState], rows: ScoreRows,
             req.prompt_logprobs += scores.entries(r, targets[r:r + count],
                                                   req.params.prompt_logprobs)
         r += count
+
+
+def watch_sample_tokens(watched: dict[int, tuple[RequestState, SampleState]],
+                        sample_seqs: list[Sequence], token_ids: list[int],
+                        logprobs: list | None, finished_seqs: list[Sequence],
+                        dropped: set[int], finish_sequence: Callable[[int, str], object]
+                        ) -> None:
+    """A step's host work per token, for the samples that asked for it (``watched``, by
+    seq id): logprobs and stop strings. A stop string that matches ends its sequence
+    (``finish_sequence(seq_id, "stop")``, appended to ``finished_seqs``). ``dropped``:
+    seq ids whose token the step did not apply (they had ended)."""
+    for i, seq in enumerate(sample_seqs):
+        entry = watched.get(seq.seq_id)
+        if entry is None or seq.seq_id in dropped:
+            continue
+        req, st = entry
+        tok = token_ids[i]
+        if st.logprobs is not None and logprobs is not None:
+            st.logprobs.append(logprobs[i])
+        if st.detok is None:
+            continue
+        if tok in req.stop_token_ids and seq.finish_reason == "stop":
+            continue  # the stop token itself is not part of the text
+        st.detok.add(tok)
+        if st.detok.stopped and seq.finish_reason is None:
+            finish_sequence(seq.seq_id, "stop")
+            finished_seqs.append(seq)
+        elif st.detok.stopped and seq.finish_reason == "length":
+            # The last allowed token completed a stop string: the text ends there, so
+            # the reason is the stop string (as vLLM reports it).
+            seq.finish_reason = "stop"

@@ -2,7 +2,9 @@
 read: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` split into the Llama parts (then
 cut to this rank's tensor-parallel shard, as the parts would have been), and the q/k rows
 of a partial rotary (Phi-4-mini rotates 3/4 of each head) reordered so that the rotated
-pairs sit where the rotary kernels pair values.
+pairs sit where the rotary kernels pair values. A base model's names (``layers.0...``,
+``embed_tokens.weight``: saved from ``Qwen3Model`` and the like, as embedding models are)
+get the ``model.`` prefix of the causal LM's.
 
 Why reorder instead of teaching every rotary kernel a rotary width: rotate-half pairs
 value ``i`` of a head with ``i + D / 2``, transformers' partial rotary pairs ``i`` with
@@ -24,6 +26,8 @@ from deepinfer.models.tensor_parallel import TPGroup, shard_slice, take_shard
 __all__ = ["checkpoint_parts", "fused_part_names", "rotary_row_order"]
 
 _FUSED_SUFFIXES = (".self_attn.qkv_proj.weight", ".mlp.gate_up_proj.weight")
+#: The decoder's own tensors, named without ``model.`` in a base model's checkpoint.
+_BASE_MODEL_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 
 
 def fused_part_names(name: str) -> list[str]:
@@ -83,10 +87,13 @@ def checkpoint_parts(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
     """``weights`` (HF-named, each already this rank's shard where ``shard_slice`` names
     one) in the decoder's layout: fused Phi-3 tensors (read whole: no shard pattern
     matches them) split, each part cut to its shard; q/k rows reordered for a partial
-    rotary. ``ValueError`` naming a fused tensor of the wrong size."""
+    rotary; a base model's names prefixed ``model.``. ``ValueError`` naming a fused
+    tensor of the wrong size."""
     order = (rotary_row_order(cfg.head_dim, cfg.rotary_dim)
              if cfg.rotary_dim < cfg.head_dim else None)
     for name, tensor in weights:
+        if name.startswith(_BASE_MODEL_PREFIXES):
+            name = f"model.{name}"
         fused = name.endswith(_FUSED_SUFFIXES)
         for part_name, part in _split_fused(name, tensor, cfg):
             if fused:

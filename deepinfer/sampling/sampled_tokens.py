@@ -24,7 +24,11 @@ class SampledTokens:
     (read by ``result()``).
 
     ``prompt_scores``: a prompt step's scored rows (``deepinfer.prompt_scoring``), read at
-    launch; None when the step scored none."""
+    launch; None when the step scored none.
+
+    ``pooled``: float32 ``[P, hidden_size]`` on the host, the final-normed hidden rows of
+    the samples ``launch`` was asked to pool (embedding requests), read at launch; None
+    when it pooled none."""
 
     def __init__(self, ids: torch.Tensor | None, logprobs: list | TokenLogprobs | None,
                  host: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
@@ -36,6 +40,7 @@ class SampledTokens:
         self.logprobs = logprobs
         self._pending = pending
         self.prompt_scores = prompt_scores
+        self.pooled: torch.Tensor | None = None
 
     @classmethod
     def deferred(cls, pending: Callable[[], SampledTokens]) -> SampledTokens:
