@@ -28,6 +28,7 @@ from deepinfer.jobs.ray_job import run_ray_job
 from deepinfer.jobs.resume import check_output_format, lock_output
 from deepinfer.loading.loader import load_config
 from deepinfer.models.tensor_parallel import check_tp_size
+from deepinfer.pooling import PoolingParams
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.tokenizer import check_template_kwargs
 
@@ -94,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="JSON", help="variables for the chat template of every chat "
                    "line, e.g. '{\"enable_thinking\": false}' (a line's own "
                    "chat_template_kwargs win, key by key)")
+    j.add_argument("--embed", action="store_true",
+                   help="embed each prompt instead of generating (.txt/.jsonl): its line "
+                   "is {\"id\", \"embedding\": [...]}, the last token's hidden state, "
+                   "unit length (an OpenAI batch file asks per line: /v1/embeddings)")
+    j.add_argument("--dimensions", type=int, default=None, metavar="N",
+                   help="with --embed: keep the first N values of each embedding")
     j.add_argument("--format", choices=FORMATS, default="auto",
                    help="input/output format (auto: OpenAI batch when the first line has "
                    "custom_id and body)")
@@ -172,6 +179,24 @@ def check_ray_flags(args: argparse.Namespace, world: int) -> None:
         raise ValueError("--ray needs Ray: pip install 'deepinfer[ray]'") from None
 
 
+def check_embed_flags(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """``ValueError`` naming the flag for ``--embed`` / ``--dimensions`` values that
+    cannot run (a ``--dimensions`` past the model's ``hidden_size`` included)."""
+    if not args.embed:
+        if args.dimensions is not None:
+            raise ValueError(f"--dimensions {args.dimensions}: only with --embed")
+        return
+    for flag, on in (("--pd", args.pd is not None), ("--ray", args.ray is not None),
+                     ("--n", args.n != 1)):
+        if on:
+            raise ValueError(f"--embed and {flag} cannot be combined")
+    try:
+        PoolingParams(dimensions=args.dimensions).validate(
+            load_config(engine_args.model).hidden_size)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+
+
 def default_sampling_params(args: argparse.Namespace, openai: bool = False) -> SamplingParams:
     """The CLI's default sampling; per-record overrides are applied on top. The flags
     given are set; the format's defaults stay ``unset``, so the model's
@@ -190,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = engine_args_from(args)
         engine_args.validate()
         check_output_path(args.input, args.output)
+        check_embed_flags(args, engine_args)
         inputs, fmt = job_format(args, engine_args.model)
         check_output_format(args.output, openai=fmt is not NATIVE)
         default_params = default_sampling_params(args, openai=fmt is not NATIVE)

@@ -21,7 +21,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
 from deepinfer.models.quantized import weight_bytes
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
-from deepinfer.pooling import EMBED_SAMPLING, PoolingParams
+from deepinfer.pooling import PoolingParams, embedding_params
 from deepinfer.reasoning import reasoning_end_token
 from deepinfer.request_state import (
     AdmissionLimits,
@@ -152,15 +152,12 @@ class LLMEngine:
                     pooling: PoolingParams | None = None) -> None:
         """Queue one request given as text (``prompt``), token ids, or a chat
         (``messages``, the model's chat template applied, with ``chat_template_kwargs`` as
-        its variables). ``pooling``: an embedding request (``params`` unused: it runs
-        with ``EMBED_SAMPLING``). Raises ``ValueError`` naming it if it is malformed or
+        its variables). ``pooling``: an embedding request (``params`` unused: see
+        ``embedding_params``). Raises ``ValueError`` naming it if it is malformed or
         can never run; nothing is queued then."""
         if pooling is not None:
-            pooling.validate(self.model_config.hidden_size)
-            if self.admission.decode_model_len is not None:
-                raise ValueError(f"request {request_id!r}: an embedding request cannot be "
-                                 "handed off (this is a PROMPT engine)")
-            params = EMBED_SAMPLING
+            params = embedding_params(request_id, pooling, self.model_config.hidden_size,
+                                      hands_off=self.admission.decode_model_len is not None)
         elif self.model_config.embedding_only:
             raise ValueError(f"request {request_id!r}: a base model without a language-"
                              "model head embeds (LLM.embed) but cannot generate")

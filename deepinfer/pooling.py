@@ -19,7 +19,7 @@ import torch
 
 from deepinfer.sampling.params import SamplingParams
 
-__all__ = ["EMBED_SAMPLING", "PoolingParams", "pool_embedding"]
+__all__ = ["EMBED_SAMPLING", "PoolingParams", "embedding_params", "pool_embedding"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,19 @@ def pool_embedding(hidden: torch.Tensor, params: PoolingParams) -> list[float]:
 #: What an embedding request runs with: one greedy token, dropped (its prompt step is
 #: what matters; the scheduler and sampler need a token to end the sequence on).
 EMBED_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def embedding_params(request_id: str, pooling: PoolingParams, hidden_size: int,
+                     hands_off: bool = False) -> SamplingParams:
+    """What an embedding request runs with (``EMBED_SAMPLING``), once ``pooling`` is
+    checked against the model's ``hidden_size``; ``ValueError`` naming the request and
+    the field otherwise, or when the engine would hand it off (``hands_off``: a PROMPT
+    engine of a disaggregated run, whose decode side never sees the prompt step)."""
+    try:
+        pooling.validate(hidden_size)
+    except ValueError as e:
+        raise ValueError(f"request {request_id!r}: {e}") from None
+    if hands_off:
+        raise ValueError(f"request {request_id!r}: an embedding request cannot run on a "
+                         "prefill/decode split (PROMPT engine)")
+    return EMBED_SAMPLING

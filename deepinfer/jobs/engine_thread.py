@@ -49,7 +49,8 @@ class EngineThread:
         try:
             self.engine.add_request(rid, req.prompt, req.prompt_token_ids, req.params,
                                     messages=req.messages,
-                                    chat_template_kwargs=req.chat_template_kwargs)
+                                    chat_template_kwargs=req.chat_template_kwargs,
+                                    pooling=req.pooling)
         except ValueError as e:
             fut.set_exception(ValueError(str(e).replace(rid, req.request_id)))
             return

@@ -12,6 +12,7 @@ from typing import Any
 from deepinfer.jobs.input_records import InputRecord, read_inputs
 from deepinfer.jobs.openai_batch import OpenAIFormat, is_openai_batch, read_openai_inputs
 from deepinfer.jobs.output_records import NATIVE
+from deepinfer.pooling import PoolingParams
 
 __all__ = ["FORMATS", "NATIVE", "JobInput", "job_format", "model_name", "open_job",
            "warn_other_models"]
@@ -32,13 +33,24 @@ class JobInput:
     """The records of an input file, read again, lazily, each time it is iterated: a
     job never holds all of them (``jobs.input_index`` indexes their ids in one pass)."""
 
-    def __init__(self, path: str, openai: bool) -> None:
-        self.path, self.openai = path, openai
+    def __init__(self, path: str, openai: bool, pooling: PoolingParams | None = None
+                 ) -> None:
+        self.path, self.openai, self.pooling = path, openai, pooling
         # Checked now: a missing file or a bad extension is the command line's error.
         next(iter(self), None)
 
     def __iter__(self) -> Iterator[InputRecord]:
-        return read_openai_inputs(self.path) if self.openai else read_inputs(self.path)
+        if self.openai:
+            return read_openai_inputs(self.path)
+        if self.pooling is None:
+            return read_inputs(self.path)
+        return self._embedding_records()
+
+    def _embedding_records(self) -> Iterator[InputRecord]:
+        """``--embed``: every native record an embedding request."""
+        for rec in read_inputs(self.path):
+            rec.pooling = self.pooling
+            yield rec
 
     @property
     def kind(self) -> str:
@@ -48,16 +60,21 @@ class JobInput:
 
 
 def open_job(path: str, fmt: str = "auto", model: str | None = None,
-             token_ids: bool = False) -> tuple[JobInput, Any]:
+             token_ids: bool = False, pooling: PoolingParams | None = None
+             ) -> tuple[JobInput, Any]:
     """The input records of ``path`` (a ``JobInput``) and the output format their lines
     are written in (``NATIVE`` or an ``OpenAIFormat``; ``token_ids``: its logprob tokens
-    as ``"token_id:<id>"``). Raises ``ValueError`` naming ``--format`` / ``--input`` when
-    the choice does not fit the file."""
+    as ``"token_id:<id>"``). ``pooling`` (``--embed``): every record of a native file is
+    embedded with it. Raises ``ValueError`` naming ``--format`` / ``--input`` /
+    ``--embed`` when the choice does not fit the file."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     openai = fmt == "openai" or (fmt == "auto" and is_openai_batch(path))
+    if openai and pooling is not None:
+        raise ValueError(f"--embed: {path!r} is an OpenAI batch file, whose lines say "
+                         "what they are (url /v1/embeddings for an embedding)")
     if not openai:
-        return JobInput(path, False), NATIVE
+        return JobInput(path, False, pooling), NATIVE
     if not os.path.exists(path):
         raise FileNotFoundError(f"--input {path!r}: no such file")
     return JobInput(path, True), OpenAIFormat((), model_name(model), token_ids)
@@ -65,9 +82,11 @@ def open_job(path: str, fmt: str = "auto", model: str | None = None,
 
 def job_format(args: Any, model: str | None) -> tuple[JobInput, Any]:
     """``open_job`` with the CLI's parsed ``args`` (``--input``, ``--format``,
-    ``--return-tokens-as-token-ids``)."""
+    ``--return-tokens-as-token-ids``, ``--embed`` and ``--dimensions``)."""
+    pooling = (PoolingParams(dimensions=getattr(args, "dimensions", None))
+               if getattr(args, "embed", False) else None)
     return open_job(args.input, getattr(args, "format", "auto"), model,
-                    getattr(args, "return_tokens_as_token_ids", False))
+                    getattr(args, "return_tokens_as_token_ids", False), pooling)
 
 
 def warn_other_models(models: Iterable[str], path: str, model: str | None) -> None:

@@ -11,7 +11,9 @@ UTF-8 with an optional BOM; CRLF line ends work; a line that is not UTF-8 fails 
 (``openai_batch``).
 
 A record becomes a ``JobRequest`` (``to_requests``): its sampling resolved, ready for an
-engine's ``add_request``, or carrying the error that its output line reports.
+engine's ``add_request``, or carrying the error that its output line reports. A record
+with ``pooling`` (``--embed``, or an OpenAI ``/v1/embeddings`` line) is an embedding
+request: its sampling values are not used.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
+from deepinfer.pooling import PoolingParams
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
 from deepinfer.tokenizer import check_template_kwargs
@@ -45,11 +48,17 @@ class InputRecord:
     echo: bool = False  # OpenAI completions: the prompt leads the text and the logprobs
     chat_template_kwargs: dict[str, Any] | None = None  # the line's template variables
     source: tuple[int, str] | None = None  # (line number, text) of a line that parsed
+    prompt_token_ids: list[int] | None = None  # OpenAI embeddings: an input of token ids
+    pooling: PoolingParams | None = None  # an embedding request (--embed, /v1/embeddings)
+    encoding_format: str = "float"  # OpenAI embeddings: "float" or "base64"
 
     @property
-    def shown_prompt(self) -> str | Messages | None:
-        """What ``--show`` prints as the prompt: the text, or the messages."""
-        return self.prompt if self.prompt is not None else self.messages
+    def shown_prompt(self) -> str | Messages | list[int] | None:
+        """What ``--show`` prints as the prompt: the text, the messages or the ids."""
+        for shown in (self.prompt, self.messages, self.prompt_token_ids):
+            if shown is not None:
+                return shown
+        return None
 
 
 def read_inputs(path: str) -> Iterator[InputRecord]:
@@ -170,6 +179,7 @@ class JobRequest:
     error: str | None = None
     shown: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,
@@ -198,9 +208,10 @@ def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams
             yield JobRequest(rec.id, error=str(e))
             continue
         kwargs = {**(template_kwargs or {}), **(rec.chat_template_kwargs or {})}
-        yield JobRequest(rec.id, prompt=prompt, messages=messages, params=params,
-                         shown=rec.shown_prompt,
-                         chat_template_kwargs=kwargs if messages else None)
+        yield JobRequest(rec.id, prompt=prompt, prompt_token_ids=rec.prompt_token_ids,
+                         messages=messages, params=params, shown=rec.shown_prompt,
+                         chat_template_kwargs=kwargs if messages else None,
+                         pooling=rec.pooling)
 
 
 def to_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,

@@ -1,5 +1,6 @@
 """The OpenAI batch file format: input lines ``{"custom_id", "method", "url", "body"}``
-(``/v1/chat/completions`` or ``/v1/completions``), output lines ``{"id", "custom_id",
+(``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings``:
+``openai_embeddings``), output lines ``{"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error"}``.
 
 A line becomes the same ``InputRecord`` the native format makes: its internal id is
@@ -36,6 +37,11 @@ from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
 from deepinfer.jobs.input_records import SAMPLING_KEYS, InputRecord, structured_overrides
+from deepinfer.jobs.openai_embeddings import (
+    EMBEDDINGS_URL,
+    embedding_body_fields,
+    embedding_response_body,
+)
 from deepinfer.jobs.resume_keys import OPENAI_ID_PREFIX, openai_success
 from deepinfer.sampling.params import MAX_LOGPROBS
 from deepinfer.token_bytes import TokenBytes
@@ -99,8 +105,9 @@ def line_record_id(lineno: int) -> str:
 
 
 def parse_openai_line(line: str, lineno: int) -> InputRecord:
-    """One input line -> an ``InputRecord`` (``api``: ``"chat"`` or ``"completion"``;
-    ``error`` set, naming the line and the field, when the line is bad)."""
+    """One input line -> an ``InputRecord`` (``api``: ``"chat"``, ``"completion"`` or
+    ``"embedding"``; ``error`` set, naming the line and the field, when the line is
+    bad)."""
     line_id = line_record_id(lineno)
     obj, error = load_json_line(line, lineno)
     if error is not None:
@@ -118,22 +125,31 @@ def parse_openai_line(line: str, lineno: int) -> InputRecord:
     if obj.get("method", "POST") != "POST":
         return bad(f"method {obj.get('method')!r}: only POST")
     url = obj.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        return bad(f"url {url!r}: expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+        return bad(f"url {url!r}: expected {CHAT_URL!r}, {COMPLETIONS_URL!r} or "
+                   f"{EMBEDDINGS_URL!r}")
     body = obj.get("body")
     if not isinstance(body, dict):
         return bad("'body' must be an object")
+    model = body.get("model")
+    model = model if isinstance(model, str) and model else None
+    if url == EMBEDDINGS_URL:
+        try:
+            prompt, ids, pooling, encoding = embedding_body_fields(body)
+        except ValueError as e:
+            return bad(str(e))
+        return InputRecord(id=OPENAI_ID_PREFIX + cid, prompt=prompt, prompt_token_ids=ids,
+                           custom_id=cid, api="embedding", model=model, pooling=pooling,
+                           encoding_format=encoding)
     try:
         prompt, messages, overrides = _body_fields(body, url == CHAT_URL)
         kwargs = check_template_kwargs(body.get("chat_template_kwargs"),
                                        "body.chat_template_kwargs")
     except ValueError as e:
         return bad(str(e))
-    model = body.get("model")
     return InputRecord(id=OPENAI_ID_PREFIX + cid, prompt=prompt, messages=messages,
                        overrides=overrides, custom_id=cid,
-                       api="chat" if url == CHAT_URL else "completion",
-                       model=model if isinstance(model, str) and model else None,
+                       api="chat" if url == CHAT_URL else "completion", model=model,
                        echo=body.get("echo") is True, chat_template_kwargs=kwargs or None)
 
 
@@ -256,9 +272,18 @@ class OpenAIFormat:
         self._bytes = TokenBytes(tokenizer)
 
     def result(self, res) -> dict[str, Any]:
-        """The line of a finished request (a ``RequestOutput``): status 200, a
-        ``chat.completion`` or ``text_completion`` body with usage."""
+        """The line of a finished request (a ``RequestOutput``, or an
+        ``EmbeddingRequestOutput``): status 200, a ``chat.completion``,
+        ``text_completion`` or embeddings ``list`` body with usage."""
         rec = self._records.pop(res.request_id)
+        body = (embedding_response_body(res, self.model, rec.encoding_format)
+                if rec.api == "embedding" else self._completion_body(rec, res))
+        return {"id": rec.id, "custom_id": rec.custom_id,
+                "response": {"status_code": 200, "request_id": rec.id, "body": body},
+                "error": None}
+
+    def _completion_body(self, rec: InputRecord, res) -> dict[str, Any]:
+        """A ``chat.completion`` or ``text_completion`` body with usage."""
         chat = rec.api == "chat"
         choices = []
         top = (rec.overrides or {}).get("logprobs")
@@ -277,14 +302,11 @@ class OpenAIFormat:
         completion = sum(len(o.token_ids) for o in res.outputs)
         prompt = len(res.prompt_token_ids or ())
         suffix = rec.custom_id
-        body = {"id": ("chatcmpl-" if chat else "cmpl-") + suffix,
+        return {"id": ("chatcmpl-" if chat else "cmpl-") + suffix,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": choices,
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion}}
-        return {"id": rec.id, "custom_id": rec.custom_id,
-                "response": {"status_code": 200, "request_id": rec.id, "body": body},
-                "error": None}
 
     def error(self, record_id: str, message: str) -> dict[str, Any]:
         """The line of a record that failed (``custom_id`` null for an unreadable line)."""

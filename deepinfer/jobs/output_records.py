@@ -17,6 +17,8 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
+from deepinfer.outputs import EmbeddingRequestOutput
+
 
 def record_text(record: dict[str, Any]) -> tuple[str, bool]:
     """``(JSON text, True)`` of an output record; ``(error line, False)`` when ``record``
@@ -56,12 +58,15 @@ def error_record(record_id: str, error: str) -> dict[str, Any]:
 
 
 def result_record(res) -> dict[str, Any]:
-    """The output line of one finished request (a ``RequestOutput``). With logprobs
+    """The output line of one finished request: ``{"id", "embedding"}`` for an
+    ``EmbeddingRequestOutput``; for a ``RequestOutput``, ``{"id", "outputs"}``. With logprobs
     asked for, each output also has ``logprobs``: per generated token, its top
     alternatives and the sampled token as ``{"<token id>": logprob}`` (tokens a grammar
     ruled out, at -inf, left out: JSON has no infinity). With ``prompt_logprobs``, the
     record has ``prompt_logprobs``: null for the first prompt token, then per prompt
     token ``{"<token id>": logprob}`` of that token and the top alternatives there."""
+    if isinstance(res, EmbeddingRequestOutput):
+        return {"id": res.request_id, "embedding": res.outputs.embedding}
     outputs = []
     for o in res.outputs:
         out = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
@@ -115,6 +120,15 @@ class NativeFormat:
 
 
 NATIVE = NativeFormat()
+
+
+def result_text(res: Any) -> str:
+    """What ``--show`` prints of a finished request: its first output's text (a
+    ``RequestOutput``), or the length and first values of an embedding."""
+    if isinstance(res, EmbeddingRequestOutput):
+        vec = res.outputs.embedding
+        return f"embedding of {len(vec)}: [{', '.join(f'{v:.4f}' for v in vec[:4])}, ...]"
+    return res.outputs[0].text
 
 
 def show_result(record_id: str, prompt: Any, text: str, prefix: str = "") -> None:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from deepinfer.engine import LLMEngine
 from deepinfer.jobs.input_records import JobRequest
-from deepinfer.jobs.output_records import NATIVE, show_result, write_record
+from deepinfer.jobs.output_records import NATIVE, result_text, show_result, write_record
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.summary import RunSummary
 from deepinfer.outputs import RequestOutput
@@ -37,7 +37,8 @@ class RunTarget:
         fit); ``ValueError`` when it can never run."""
         self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids,
                                 req.params, messages=req.messages,
-                                chat_template_kwargs=req.chat_template_kwargs)
+                                chat_template_kwargs=req.chat_template_kwargs,
+                                pooling=req.pooling)
 
     def total(self, queued: int) -> int:
         """The progress bar's total when this process has ``queued`` records to run."""
@@ -168,7 +169,7 @@ def run_requests(target: RunTarget, requests: Iterable[JobRequest], out: TextIO,
             unwritable += 1  # written as an error line instead (see write_record)
         results[0] += 1
         if show:
-            show_result(res.request_id, shown, res.outputs[0].text,
+            show_result(res.request_id, shown, result_text(res),
                         prefix=target.show_prefix)
     bar.close()
     return RunSummary.of_engine(target.engine, feed.admitted - unwritable,

@@ -138,7 +138,7 @@ def test_base_model_checkpoints_embed_and_refuse_to_generate(tiny_checkpoints, t
 
 
 @pytest.mark.parametrize("bad, message", [
-    (PoolingParams(dimensions=0), r"prompt 0: dimensions=0: must be a positive integer"),
+    (PoolingParams(dimensions=0), r"prompt 0: request '\d+': dimensions=0: must be a positive"),
     (PoolingParams(dimensions=65), r"dimensions=65: the model's embeddings have 64"),
     (PoolingParams(dimensions=2.5), r"dimensions=2.5: must be a positive integer"),
     (PoolingParams(normalize=1), r"normalize=1: must be True or False"),

@@ -25,7 +25,7 @@ def _batch_lines() -> list[str]:
         _chat("c1", "hello world", max_tokens=4),
         _line("p1", "/v1/completions", prompt="the quick brown fox", max_tokens=5,
               temperature=0.0, logprobs=2),
-        _line("bad-url", "/v1/embeddings", input="x"),
+        _line("bad-url", "/v1/moderations", input="x"),
         "{not json",
         _chat("c1", "a second c1", max_tokens=3),  # duplicate custom_id
         _chat("c2", "once upon a time", max_completion_tokens=3, n=2, temperature=1.0,
@@ -88,7 +88,7 @@ def _check_batch_output(recs: list[dict]) -> None:
     assert c2["usage"]["completion_tokens"] == sum(
         len(ch["logprobs"]["content"]) for ch in c2["choices"])
     errors = {r["custom_id"]: r["error"]["message"] for r in recs if r["error"] is not None}
-    assert "url" in errors["bad-url"] and "/v1/embeddings" in errors["bad-url"]
+    assert "url" in errors["bad-url"] and "/v1/moderations" in errors["bad-url"]
     assert "line 4" in errors[None] and "malformed JSON" in errors[None]
     assert "duplicate custom_id" in errors["c1"] and "line 5" in errors["c1"]
     assert "stream" in errors["streamed"]
