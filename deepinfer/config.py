@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from deepinfer.hf_config import (
     check_architecture,
     hf_config_fields,
 )
+from deepinfer.pooling_config import gguf_pooling, hf_folder_pooling
 
 #: RoPE variants the rotary embedding implements.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
@@ -88,6 +89,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     #: A base-model checkpoint (``LlamaModel``...: no lm_head): it embeds, never generates.
     embedding_only: bool = False
+    #: The embedding pooling the checkpoint's files name (``pooling_config``; None: none).
+    pooling: str | None = None
     attention_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False
@@ -174,7 +177,7 @@ class ModelConfig:
         gen_path = os.path.join(folder, "generation_config.json")
         gen = read_json_object(gen_path) if os.path.isfile(gen_path) else None
         try:
-            return cls.from_hf_config(cfg, gen)
+            return replace(cls.from_hf_config(cfg, gen), pooling=hf_folder_pooling(folder))
         except KeyError as e:
             raise ValueError(f"{path}: missing key {e}") from e
         except ValueError as e:
@@ -254,6 +257,7 @@ class ModelConfig:
             rope_freq_factors=rope_freq_factors,
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings=tied,
+            pooling=gguf_pooling(get("pooling_type")),
             attention_bias=(arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
                             if qkv_bias is None else qkv_bias),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

@@ -156,8 +156,9 @@ class LLMEngine:
         ``embedding_params``). Raises ``ValueError`` naming it if it is malformed or
         can never run; nothing is queued then."""
         if pooling is not None:
-            params = embedding_params(request_id, pooling, self.model_config.hidden_size,
-                                      hands_off=self.admission.decode_model_len is not None)
+            cfg = self.model_config
+            params = embedding_params(request_id, pooling, cfg.hidden_size,
+                                      self.admission.decode_model_len is not None, cfg.pooling)
         elif self.model_config.embedding_only:
             raise ValueError(f"request {request_id!r}: a base model without a language-"
                              "model head embeds (LLM.embed) but cannot generate")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.pooling_config import LAST_TOKEN
 from deepinfer.sampling.params import SamplingParams
 
 __all__ = ["EMBED_SAMPLING", "PoolingParams", "embedding_params", "pool_embedding"]
@@ -67,15 +68,21 @@ EMBED_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def embedding_params(request_id: str, pooling: PoolingParams, hidden_size: int,
-                     hands_off: bool = False) -> SamplingParams:
+                     hands_off: bool = False, model_pooling: str | None = None
+                     ) -> SamplingParams:
     """What an embedding request runs with (``EMBED_SAMPLING``), once ``pooling`` is
     checked against the model's ``hidden_size``; ``ValueError`` naming the request and
-    the field otherwise, or when the engine would hand it off (``hands_off``: a PROMPT
-    engine of a disaggregated run, whose decode side never sees the prompt step)."""
+    the field otherwise, when the engine would hand it off (``hands_off``: a PROMPT
+    engine of a disaggregated run, whose decode side never sees the prompt step), or
+    when the checkpoint names a pooling other than the last token (``model_pooling``,
+    ``ModelConfig.pooling``)."""
     try:
         pooling.validate(hidden_size)
     except ValueError as e:
         raise ValueError(f"request {request_id!r}: {e}") from None
+    if model_pooling not in (None, LAST_TOKEN):
+        raise ValueError(f"request {request_id!r}: this model's files pool its embeddings "
+                         f"by {model_pooling}; LLM.embed reads the last token only")
     if hands_off:
         raise ValueError(f"request {request_id!r}: an embedding request cannot run on a "
                          "prefill/decode split (PROMPT engine)")

@@ -179,3 +179,74 @@ def test_output_record():
     assert json.loads(json.dumps(out.to_dict())) == {
         "request_id": "7", "prompt": "hi", "prompt_token_ids": [1, 2],
         "embedding": [0.6, 0.8], "finished": True, "error": None}
+
+
+def _with_modules(src: str, dest: Path, pooling: dict, dense: bool = False) -> str:
+    """``src``'s files linked into ``dest`` plus sentence-transformers' modules.json and
+    a Pooling config (and a Dense module when ``dense``)."""
+    dest.mkdir()
+    for f in Path(src).iterdir():
+        (dest / f.name).symlink_to(f)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if dense:
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense",
+                        "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": len(modules), "name": str(len(modules)), "path": "3_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+    (dest / "modules.json").write_text(json.dumps(modules))
+    (dest / "1_Pooling").mkdir()
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, **pooling}))
+    return str(dest)
+
+
+def test_the_pooling_a_checkpoint_names_is_read_and_others_refused(tiny_checkpoints,
+                                                                  tmp_path):
+    """sentence-transformers files that say last-token embed as before; ones that say
+    mean pooling, or a Dense layer after it, are refused by name (generation still
+    runs); a GGUF file's pooling_type is read the same way."""
+    from deepinfer.loading.loader import load_config
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    ckpt = tiny_checkpoints["qwen3"]
+    want = _vectors(_llm(ckpt.path).embed(PROMPTS, use_tqdm=False))
+    last = _with_modules(ckpt.path, tmp_path / "last", {"pooling_mode_lasttoken": True,
+                                                        "pooling_mode_mean_tokens": False})
+    llm = _llm(last)
+    assert llm.engine.model_config.pooling == "last token"
+    for got, w in zip(_vectors(llm.embed(PROMPTS, use_tqdm=False)), want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    for name, pooling, dense, said in [
+            ("mean", {"pooling_mode_mean_tokens": True}, False, "by mean;"),
+            ("dense", {"pooling_mode_lasttoken": True}, True, "by last token, then Dense;")]:
+        llm = _llm(_with_modules(ckpt.path, tmp_path / name, pooling, dense))
+        with pytest.raises(ValueError, match=f"pool its embeddings {said} LLM.embed reads "
+                                             "the last token only"):
+            llm.embed(PROMPTS[:1], use_tqdm=False)
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    for pooling_type, said in [(3, "last token"), (1, "mean"), (None, None)]:
+        path = str(tmp_path / f"pool{pooling_type}.gguf")
+        write_tiny_gguf(ckpt.hf_model, "qwen3", path, pooling_type=pooling_type)
+        assert load_config(path).pooling == said
+
+
+def test_malformed_sentence_transformers_files_are_named(tmp_path):
+    from deepinfer.pooling_config import hf_folder_pooling
+
+    assert hf_folder_pooling(str(tmp_path)) is None  # no modules.json: nothing said
+    (tmp_path / "modules.json").write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match=r"modules.json: expected a list of module"):
+        hf_folder_pooling(str(tmp_path))
+    (tmp_path / "modules.json").write_text("[{")
+    with pytest.raises(ValueError, match=r"modules.json: not valid JSON"):
+        hf_folder_pooling(str(tmp_path))
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"path": "p", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
+    assert hf_folder_pooling(str(tmp_path)) == "CLS token"

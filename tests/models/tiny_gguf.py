@@ -37,11 +37,13 @@ def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
 
 
 def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
-                     expert_type: str | None = None, linear_type: str | None = None) -> None:
+                     expert_type: str | None = None, linear_type: str | None = None,
+                     pooling_type: int | None = None) -> None:
     """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
     experts stacked (or one tensor each, ``per_expert``), MoE keys, Phi-3's keys and
     LongRoPE factor tensors; ``expert_type``: the experts quantized to that block type by
-    ``gguf`` (a 32-weight type); ``linear_type``: the layers' projections too."""
+    ``gguf`` (a 32-weight type); ``linear_type``: the layers' projections too;
+    ``pooling_type``: an embedding model's ``{arch}.pooling_type`` (llama.cpp's enum)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
@@ -58,6 +60,10 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
+    if pooling_type is not None:
+        from gguf import PoolingType
+
+        w.add_pooling_type(PoolingType(pooling_type))
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
