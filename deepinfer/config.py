@@ -95,6 +95,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    #: The layers that slide (None: all of them, when ``sliding_window`` is set).
+    sliding_layers: tuple[int, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: torch.dtype = torch.float32
@@ -143,6 +145,14 @@ class ModelConfig:
             extended = int(float(s["factor"]) * int(s["original_max_position_embeddings"]))
             return max(self.max_position_embeddings, extended)
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding attention window: the positions a query
+        sees, itself included (None: every earlier one)."""
+        if not self.sliding_window or (self.sliding_layers is not None
+                                       and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has a sparse MoE block."""

@@ -181,7 +181,7 @@ def hf_config_fields(cfg: dict[str, Any],
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        sliding_window=_hf_sliding_window(arch, cfg),
+        **_hf_sliding_window(arch, cfg),
         bos_token_id=_first(cfg.get("bos_token_id", defaults.get("bos_token_id"))),
         eos_token_ids=tuple(eos),
         torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
@@ -243,29 +243,32 @@ def _hf_attention_bias(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     return bias, bias
 
 
-def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    """The attention window if transformers slides any layer of ``arch`` (None: none does;
-    a null or 0 window is none). Llama and OLMoE never slide (causal masks whatever the key
-    says); the Qwen families only with ``use_sliding_window``, and Qwen2, Qwen3 and
-    Qwen2-MoE only on the layers ``layer_types`` marks, by default from
+def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` (the window, if transformers slides any layer of ``arch``) and
+    ``sliding_layers`` (which ones; None: all) as ``ModelConfig`` fields; none when no
+    layer slides (a null or 0 window is none). Llama and OLMoE never slide (causal masks
+    whatever the key says); the Qwen families only with ``use_sliding_window``, and Qwen2,
+    Qwen3 and Qwen2-MoE only on the layers ``layer_types`` marks, by default from
     ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
     if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "GraniteForCausalLM") or (
             arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
-        return None
+        return {}
     window = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
     if not window:
-        return None
+        return {}
+    layers = None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         types, first = cfg.get("layer_types"), _get(cfg, "max_window_layers", HF_DEFAULTS[arch])
+        n = int(cfg["num_hidden_layers"])
         if types is not None:
-            slides = "sliding_attention" in types
+            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         elif arch == "Qwen2MoeForCausalLM":
-            slides = first > 0  # layer 0 is below it
+            layers = tuple(i for i in range(min(first, n)) if i % 2 == 0)
         else:
-            slides = first < int(cfg["num_hidden_layers"])
-        if not slides:
-            return None
-    return _count(arch, "sliding_window", window)
+            layers = tuple(range(first, n))
+        if not layers:
+            return {}
+    return {"sliding_window": _count(arch, "sliding_window", window), "sliding_layers": layers}
 
 
 def _phi3_rope(cfg: dict[str, Any], scaling: dict[str, Any] | None,

@@ -86,15 +86,11 @@ def model_len_limit(cfg: ModelConfig, requested: int | None) -> int:
     """``max_model_len``: the requested one (checked against the model) or the model's,
     at most 8192. ``ValueError`` when the request exceeds the model's positions."""
     limit = cfg.max_positions
-    if cfg.sliding_window:
-        # Sliding-window attention is not implemented: stay inside one window.
-        limit = min(limit, cfg.sliding_window)
     max_len = requested or min(limit, 8192)
     if max_len > limit:
         raise ValueError(
             f"max_model_len={max_len} exceeds the model's limit of {limit} "
-            "positions (max_position_embeddings or YaRN's extended length, or its sliding "
-            "window)"
+            "positions (max_position_embeddings or YaRN's extended length)"
         )
     return max_len
 

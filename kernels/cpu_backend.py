@@ -169,17 +169,20 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence against its ``seq_lens[b]`` cached keys: the native C
-    kernel (:mod:`kernels.cpu_native`, reads K/V straight from the paged cache) where it
-    takes the inputs, else :func:`gathered_decode_attention`. Shapes and dtypes as there.
+    """One query per sequence against its ``seq_lens[b]`` cached keys (its last
+    ``window`` with a sliding window): the native C kernel (:mod:`kernels.cpu_native`,
+    reads K/V straight from the paged cache) where it takes the inputs, else
+    :func:`gathered_decode_attention`. Shapes and dtypes as there.
     """
     if cpu_native.can_decode(q, k_cache, v_cache, block_tables, seq_lens):
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                 seq_lens, scale=scale, out=out)
-    if is_int8_cache(k_cache):  # shapes the C kernel does not take: the oracle itself
+                                                 seq_lens, scale=scale, out=out,
+                                                 window=window)
+    if is_int8_cache(k_cache) or window is not None:  # the C kernel's or gathered's misses
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                scale=scale, out=out)
+                                                scale=scale, out=out, window=window)
     return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                      scale=scale, out=out)
 
@@ -297,9 +300,11 @@ def paged_prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over prefix + themselves, all read from cache:
-    the native C kernel (:mod:`kernels.cpu_prefill`) where it takes the inputs, else
+    """Causal attention of packed new tokens over prefix + themselves (each over its last
+    ``window`` positions with a sliding window), all read from cache: the native C
+    kernel (:mod:`kernels.cpu_prefill`) where it takes the inputs, else
     :func:`gathered_prefill_attention`.
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
@@ -310,11 +315,11 @@ def paged_prefill_attention(
     if cpu_prefill.can_prefill(q, k_cache, v_cache, block_tables):
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                    query_start_loc, seq_lens, scale=scale,
-                                                   out=out)
-    if is_int8_cache(k_cache):
+                                                   out=out, window=window)
+    if is_int8_cache(k_cache) or window is not None:
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                  query_start_loc, seq_lens, scale=scale,
-                                                 out=out)
+                                                 out=out, window=window)
     return gathered_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale=scale, out=out)
 

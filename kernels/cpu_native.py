@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_kernels.kv_quant import cache_head_dim
-from deepinfer_kernels.validation import check_out, table_error
+from deepinfer_kernels.validation import check_out, check_window, table_error
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
@@ -52,10 +52,10 @@ HEADERS = (_CSRC / "vec16.h", _CSRC / "gguf_rows16.h")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
-    "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 3,
+    "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 2 + [_I64, _I32],
     "paged_prefill_attention_cpu": [_PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I64,
                                     _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                                    _PTR, _I32],
+                                    _PTR, _I64, _I32],
     "gguf_matmul_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR, _I64,
                         _I32, _I32],
     "gguf_matmul_int8_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR,
@@ -227,8 +227,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence against its ``seq_lens[b]`` cached keys, by the C kernel.
+    """One query per sequence against its ``seq_lens[b]`` cached keys (its last
+    ``window`` with a sliding window), by the C kernel.
 
     q ``[B, Hq, D]`` (any float dtype); k_cache/v_cache ``[num_blocks, block_size, Hkv,
     D]`` fp32 or bf16, or ``[..., D * 9 / 8]`` int8 (:mod:`deepinfer_kernels.kv_quant`),
@@ -266,7 +268,8 @@ def paged_decode_attention(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), res.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
         tables.shape[1], tables.stride(0), KV_KIND[k_cache.dtype],
-        int(tables.dtype == torch.int64), torch.get_num_threads())
+        int(tables.dtype == torch.int64), check_window(window) or 0,
+        torch.get_num_threads())
     if rc == _BAD_SHAPE:
         raise ValueError(f"paged_decode_attention: shapes the native kernel cannot take "
                          f"(q {tuple(q.shape)}, cache {tuple(k_cache.shape)})")

@@ -17,7 +17,7 @@ import torch
 
 from deepinfer_kernels.cpu_native import KV_KIND, native_library
 from deepinfer_kernels.kv_quant import KV_GROUP, cache_head_dim
-from deepinfer_kernels.validation import check_out, table_error
+from deepinfer_kernels.validation import check_out, check_window, table_error
 
 __all__ = ["can_prefill", "paged_prefill_attention"]
 
@@ -55,8 +55,10 @@ def can_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed new tokens over prefix + themselves, all read from cache.
+                            out: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over prefix + themselves, all read from cache
+    (with a sliding ``window``, each query over its last ``window`` positions).
 
     q ``[T, Hq, D]`` fp32/bf16 packed; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``
     (int8: ``[..., D * 9 / 8]``);
@@ -94,7 +96,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         KV_KIND[k_cache.dtype], tables.data_ptr(),
         int(tables.dtype == torch.int64), tables.shape[1], tables.stride(0), starts.data_ptr(),
         lens.data_ptr(), b, hq, hkv, d, num_blocks, block_size, scale, res.data_ptr(),
-        torch.get_num_threads())
+        check_window(window) or 0, torch.get_num_threads())
     if rc >= 16:
         s = (rc - 16) // 2
         q_len, length = int(starts[s + 1] - starts[s]), int(lens[s])

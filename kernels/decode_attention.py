@@ -27,10 +27,12 @@ from deepinfer_kernels.runtime import (
 )
 from deepinfer_kernels.tl_helpers import load_kv, mma
 from deepinfer_kernels.validation import (
+    NO_WINDOW,
     check_attention_common,
     check_optional_int,
     check_out,
     check_scale,
+    check_window,
 )
 
 LOG2E = 1.4426950408889634
@@ -41,7 +43,7 @@ _MAX_SPLITS = 64  # the merge kernel's [splits, D] register tile
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_ptr, lse_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -68,16 +70,18 @@ def _decode_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + b)
+    # A sliding window: the query (at seq_len - 1) sees its last `window` keys.
+    lo = tl.maximum(seq_len - window, 0)
     if SPLIT:
         # Each sequence spreads its own keys over the splits (whole key tiles each), read
         # on the device: the launch's length bound (a CUDA graph's is max_model_len) only
         # sets how many splits there are, so a short context still uses all of them.
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N),
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, tl.num_programs(2)), BLOCK_N),
                                1) * BLOCK_N
-        start = s * split_len
+        start = lo + s * split_len
         end = tl.minimum(seq_len, start + split_len)
     else:
-        start = 0
+        start = lo
         end = seq_len
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -202,6 +206,7 @@ def decode_launches(
     num_splits: int | None,
     max_seq_len: int | None,
     target: Target,
+    window: int | None = None,
 ) -> list[Launch]:
     """The launches of ``paged_decode_attention`` for validated, non-empty arguments.
 
@@ -214,6 +219,8 @@ def decode_launches(
     block_size = k_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     bound = capacity if max_seq_len is None else min(max_seq_len, capacity)
+    if window is not None:  # no sequence reads more keys than its window
+        bound = min(bound, window)
     group = num_q_heads // num_kv_heads
     d_pad = pad_dim(head_dim)
     kv_int8 = is_int8_cache(k_cache)
@@ -234,7 +241,7 @@ def decode_launches(
         return [Launch(_decode_kernel, (batch, num_kv_heads, 1), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, out, out,
-            sm_scale * LOG2E,
+            sm_scale * LOG2E, NO_WINDOW if window is None else window,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             0, 0, 0, 0, 0,
@@ -247,7 +254,7 @@ def decode_launches(
         Launch(_decode_kernel, (batch, num_kv_heads, splits), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, part, lse,
-            sm_scale * LOG2E,
+            sm_scale * LOG2E, NO_WINDOW if window is None else window,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
@@ -271,8 +278,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence attends to its ``seq_lens[b]`` cached keys (paged cache).
+    """One query per sequence attends to its ``seq_lens[b]`` cached keys (paged cache;
+    its last ``window`` with a sliding window).
 
     q: ``[B, Hq, D]`` fp32/fp16/bf16 (unit last stride); k_cache, v_cache:
     ``[num_blocks, block_size, Hkv, D]`` same dtype as q, contiguous, or int8
@@ -298,9 +307,10 @@ def paged_decode_attention(
     sm_scale = check_scale(scale, q.shape[2])
     forced = check_optional_int("num_splits", num_splits, 1)
     hint = check_optional_int("max_seq_len", max_seq_len, 0)
+    window = check_window(window)
     out = torch.empty_like(q) if out is None else check_out(out, q)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return out
     run_launches(decode_launches(q, k_cache, v_cache, block_tables, seq_lens, out, sm_scale,
-                                 forced, hint, Target.of(q.device)))
+                                 forced, hint, Target.of(q.device), window))
     return out

@@ -54,7 +54,7 @@ def projection_parts(w: Projection) -> tuple[BlockWeight, ...]:
 class DecoderLayerWeights:
     """One decoder layer. Norm weights ``[hidden]`` (q/k norms ``[head_dim]``, or None)
     in the activation dtype; ``qkv`` rows are q, then k, then v; ``gate_up`` rows are
-    gate, then up."""
+    gate, then up. ``window``: the layer's sliding attention window (None: none)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -64,6 +64,7 @@ class DecoderLayerWeights:
     down: Projection
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True)

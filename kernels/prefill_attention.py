@@ -17,11 +17,13 @@ from deepinfer_kernels.kv_quant import is_int8_cache
 from deepinfer_kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
 from deepinfer_kernels.tl_helpers import load_kv, mma
 from deepinfer_kernels.validation import (
+    NO_WINDOW,
     check_attention_common,
     check_optional_int,
     check_out,
     check_scale,
     check_tensor,
+    check_window,
     fail,
 )
 
@@ -32,14 +34,15 @@ LOG2E = 1.4426950408889634
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
     kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-    lo, hi, seq_len, qk_scale,
+    lo, hi, seq_len, qk_scale, window,
     stride_cb, stride_cs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, KV_INT8: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Fold key tiles [lo, hi) into the running (acc, l, m); CAUSAL adds the diagonal mask."""
+    """Fold key tiles [lo, hi) into the running (acc, l, m); CAUSAL adds the diagonal mask
+    and the sliding window's (query p sees keys p - window + 1 .. p)."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < seq_len  # all true in an unmasked tile (lo/hi keep it below seq_len)
@@ -54,7 +57,8 @@ def _attend_tiles(
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                 PRECISION, UPCAST) * qk_scale
         if CAUSAL:
-            visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            visible = ((n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+                       & (n[None, :] > q_pos[:, None] - window))
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; use 0 there to avoid inf - inf.
@@ -71,7 +75,7 @@ def _attend_tiles(
 @triton.jit
 def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -105,18 +109,29 @@ def prefill_kernel(
         bt_row = bt_ptr + b.to(tl.int64) * stride_btb
         head_off = (h // GROUP) * stride_ch
 
-        # Keys [0, full_end) are visible to every query of the tile: no mask needed.
+        # Keys below [win_lo, full_end) are visible to every query of the tile, causally.
         full_end = ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N
         # Keys past the tile's last query (or the sequence) are never visited.
         diag_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
+        # A sliding window: no query sees keys below win_lo; every query sees those from
+        # win_full (its last query's window start) on. No window: both are 0.
+        win_lo = (tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        win_full = tl.maximum(
+            tl.cdiv(tl.maximum(prefix + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, win_lo)
+        open_lo = tl.minimum(win_full, full_end)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-            0, full_end, seq_len, qk_scale, stride_cb, stride_cs,
+            win_lo, open_lo, seq_len, qk_scale, window, stride_cb, stride_cs,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, True, KV_INT8,
+            PRECISION, UPCAST)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
+            open_lo, full_end, seq_len, qk_scale, window, stride_cb, stride_cs,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, False, KV_INT8,
             PRECISION, UPCAST)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-            full_end, diag_end, seq_len, qk_scale, stride_cb, stride_cs,
+            full_end, diag_end, seq_len, qk_scale, window, stride_cb, stride_cs,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, True, KV_INT8,
             PRECISION, UPCAST)
 
@@ -190,6 +205,7 @@ def prefill_launches(
     sm_scale: float,
     max_q: int,
     target: Target,
+    window: int | None = None,
 ) -> list[Launch]:
     """The launch of ``paged_prefill_attention`` for validated, non-empty arguments.
 
@@ -204,7 +220,7 @@ def prefill_launches(
     grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, seq_lens.shape[0])
     return [Launch(prefill_kernel, grid, (
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -227,8 +243,10 @@ def paged_prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over cached prefix + themselves.
+    """Causal attention of packed new tokens over cached prefix + themselves (with a
+    sliding ``window``, each query over its last ``window`` positions).
 
     q: ``[T, Hq, D]`` packed new tokens (fp32/fp16/bf16, unit last stride); k_cache,
     v_cache: ``[num_blocks, block_size, Hkv, D]`` same dtype, contiguous (or int8
@@ -253,6 +271,7 @@ def paged_prefill_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     sm_scale = check_scale(scale, head_dim)
     hint = check_optional_int("max_query_len", max_query_len, 0)
+    window = check_window(window)
     out = torch.empty_like(q) if out is None else check_out(out, q)
     if num_tokens == 0 or batch == 0 or num_q_heads == 0:
         return out
@@ -261,5 +280,5 @@ def paged_prefill_attention(
     if max_q == 0:
         return out
     run_launches(prefill_launches(q, k_cache, v_cache, block_tables, qsl, seq_lens, out,
-                                  sm_scale, max_q, Target.of(q.device)))
+                                  sm_scale, max_q, Target.of(q.device), window))
     return out

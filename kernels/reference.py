@@ -27,6 +27,7 @@ from deepinfer_kernels.sampling_reference import (  # noqa: F401
     sample_tokens,
     sample_tokens_filtered,
 )
+from deepinfer_kernels.validation import check_window
 
 
 def store_kv(
@@ -90,8 +91,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence against its ``seq_lens[b]`` cached keys.
+    """One query per sequence against its ``seq_lens[b]`` cached keys (the last
+    ``window`` of them with a sliding window: ``check_window``).
 
     q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32; the
     caches in q's dtype or int8 (``[..., D * 9 / 8]``, :mod:`deepinfer_kernels.kv_quant`).
@@ -99,6 +102,7 @@ def paged_decode_attention(
     ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
     two backends are interchangeable.
     """
+    window = check_window(window)
     del num_splits, max_seq_len  # the oracle reads every table column; hints can't hurt it
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
@@ -117,6 +121,8 @@ def paged_decode_attention(
     table = block_tables[:, :width].long()
     slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, L]
     valid = pos[None, :] < seq_lens[:, None]  # [B, L]
+    if window is not None:  # the query sits at seq_len - 1: keys after it minus window
+        valid &= pos[None, :] >= seq_lens[:, None] - window
     # A length-0 sequence's table may be all padding: it reads slot 0 (and gets zeros).
     first = torch.where(seq_lens[:, None] > 0, slots[:, :1], 0)
     slots = torch.where(valid, slots, first).reshape(-1)
@@ -144,14 +150,18 @@ def paged_prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over prefix + themselves, all read from cache.
+    """Causal attention of packed new tokens over prefix + themselves, all read from cache
+    (with a sliding ``window``, each query over its last ``window`` positions, itself
+    included: ``check_window``).
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
     cached prefix plus this step's new tokens; caches as in :func:`paged_decode_attention`.
     Returns ``[T, Hq, D]``.
     """
     del max_query_len
+    window = check_window(window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
@@ -167,6 +177,8 @@ def paged_prefill_attention(
         q_pos = torch.arange(length - q_len, length, device=q.device)
         k_pos = torch.arange(length, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, Lk]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         out[s:e] = _attend(q[s:e], k, v, scale, mask).to(out.dtype)
     return out
 

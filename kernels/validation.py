@@ -97,6 +97,18 @@ def check_optional_int(name: str, value: object, minimum: int) -> int | None:
     return value
 
 
+#: The window the Triton attention kernels are given for none: more positions than any
+#: sequence holds (a runtime int, so one compiled kernel serves both).
+NO_WINDOW = 1 << 30
+
+
+def check_window(window: object) -> int | None:
+    """A sliding attention window: None (every earlier key) or a Python int >= 1, the
+    positions a query sees, itself included (query ``p`` sees keys ``p - window + 1 ..
+    p``: transformers' ``sliding_window``)."""
+    return check_optional_int("window", window, 1)
+
+
 def check_kv_caches(
     k_cache: object, v_cache: object, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

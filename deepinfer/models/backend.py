@@ -41,20 +41,24 @@ class ModelBackend(Protocol):
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float | None = None,
                                out: torch.Tensor | None = None, num_splits: int | None = None,
-                               max_seq_len: int | None = None) -> torch.Tensor:
+                               max_seq_len: int | None = None,
+                               window: int | None = None) -> torch.Tensor:
         """One query per sequence (q ``[B, Hq, D]``) over its ``seq_lens[b]`` cached keys
-        (block_tables ``[B, W]`` int32); returns ``[B, Hq, D]``. ``num_splits`` and
-        ``max_seq_len`` are hints only a kernel may use."""
+        (block_tables ``[B, W]`` int32), its last ``window`` of them with a sliding
+        window; returns ``[B, Hq, D]``. ``num_splits`` and ``max_seq_len`` are hints only
+        a kernel may use."""
         ...
 
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, block_tables: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                 scale: float | None = None, out: torch.Tensor | None = None,
-                                max_query_len: int | None = None) -> torch.Tensor:
+                                max_query_len: int | None = None,
+                                window: int | None = None) -> torch.Tensor:
         """Causal attention of packed new tokens (q ``[T, Hq, D]``, query_start_loc
         ``[B+1]`` int32) over the cached prefix and themselves (seq_lens ``[B]`` int32 =
-        prefix + new tokens); returns ``[T, Hq, D]``."""
+        prefix + new tokens), position ``p`` over keys ``p - window + 1 .. p`` with a
+        sliding window; returns ``[T, Hq, D]``."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism it holds this rank's heads (qkv column-parallel, o_proj
     row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE, layer: int = 0) -> None:
         super().__init__()
         sizes = local_sizes(cfg, tp)
         self.num_heads, self.num_kv_heads = sizes.num_heads, sizes.num_kv_heads
@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
-                              scale=cfg.attention_multiplier)
+                              scale=cfg.attention_multiplier, window=cfg.layer_window(layer))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
@@ -117,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, layer)
         self.mlp: nn.Module = (
             SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(layer)
             else GatedMLP(cfg.hidden_size, local_sizes(cfg, tp).intermediate_size, tp))

@@ -10,6 +10,7 @@
  *   tables   [B, W]                int32 or int64, rows `table_stride` apart
  *   seq_lens [B]                   int32
  *   out      [B, Hq, D]            float32, contiguous
+ * window > 0: a sliding window, each query sees its sequence's last `window` keys.
  * D must be a multiple of 8 (one 8-float vector: AVX2, or two NEON registers).
  *
  * Work item = one sequence, all its heads: each K/V token row is loaded once and serves
@@ -29,7 +30,7 @@
  * 1 for other shapes, which the 8-lane kernel below takes. */
 int paged_decode_wide_takes(int64_t group, int64_t dim);
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
-                              int kind, const int64_t *blocks, int64_t len,
+                              int kind, const int64_t *blocks, int64_t lo, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
                               int64_t nh, int64_t group, int64_t dim, float *out);
 
@@ -130,8 +131,9 @@ static inline v8f load_vec(const void *cache, int64_t offset, int is_bf16) {
  * a literal at each call site (attend_seq_dispatch), so the short D-loops unroll. */
 static inline __attribute__((always_inline)) void attend_seq(
     const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
-    const int64_t *blocks, int64_t len, int64_t block_size, int64_t num_kv_heads,
-    int64_t h0, int64_t nh, int64_t group, const int64_t chunks, float *restrict out) {
+    const int64_t *blocks, int64_t lo, int64_t len, int64_t block_size,
+    int64_t num_kv_heads, int64_t h0, int64_t nh, int64_t group, const int64_t chunks,
+    float *restrict out) {
     const int64_t heads = nh * group, row = num_kv_heads * chunks * 8;
     v8f qv[heads * chunks], acc[heads * chunks];
     /* Scores per head, padded with -inf to whole vectors (e^-inf = 0 in exp_v8). */
@@ -142,10 +144,13 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
     for (int64_t i = 0; i < heads; ++i) { m[i] = -INFINITY; l[i] = 0.0f; }
     const int64_t nblocks = (len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < nblocks; ++j) {
+    for (int64_t j = lo / block_size; j < nblocks; ++j) {
         int64_t n = len - j * block_size;
         if (n > block_size) n = block_size;
-        const int64_t base = blocks[j] * block_size * row, nv = (n + 7) / 8;
+        /* Keys [lo, len): the first block visited starts at lo's row (a sliding window). */
+        const int64_t skip = j * block_size < lo ? lo - j * block_size : 0;
+        n -= skip;
+        const int64_t base = blocks[j] * block_size * row + skip * row, nv = (n + 7) / 8;
         if (j + 1 < nblocks && nh == num_kv_heads) {
             /* Blocks are scattered, so the hardware prefetcher restarts at each one: ask
              * for the next block's K and V lines while this one is computed (whole rows:
@@ -228,10 +233,11 @@ static inline __attribute__((always_inline)) void attend_seq(
 
 /* attend_seq with the head dim's vector count as a constant for the common sizes. */
 static void attend_seq_dispatch(const float *q, const void *k_cache, const void *v_cache,
-                                int is_bf16, const int64_t *blocks, int64_t len,
-                                int64_t block_size, int64_t num_kv_heads, int64_t h0,
-                                int64_t nh, int64_t group, int64_t chunks, float *out) {
-#define ATTEND(C) attend_seq(q, k_cache, v_cache, is_bf16, blocks, len, block_size, \
+                                int is_bf16, const int64_t *blocks, int64_t lo,
+                                int64_t len, int64_t block_size, int64_t num_kv_heads,
+                                int64_t h0, int64_t nh, int64_t group, int64_t chunks,
+                                float *out) {
+#define ATTEND(C) attend_seq(q, k_cache, v_cache, is_bf16, blocks, lo, len, block_size, \
                              num_kv_heads, h0, nh, group, C, out)
     switch (chunks) {
         case 1: ATTEND(1); break;
@@ -253,7 +259,7 @@ int64_t paged_decode_attention_cpu(
     const int32_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
     int64_t table_width, int64_t table_stride, int32_t cache_kind,
-    int32_t tables_are_int64, int32_t num_threads) {
+    int32_t tables_are_int64, int64_t window, int32_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim <= 0 || dim % 8 != 0)
         return BAD_SHAPE;
     int64_t group = num_heads / num_kv_heads, chunks = dim / 8;
@@ -303,9 +309,11 @@ int64_t paged_decode_attention_cpu(
             bad = -(b + 1);
             continue;
         }
-        if (paged_decode_wide_seq(qb, k_cache, v_cache, cache_kind, ids, len, block_size,
+        /* A sliding window (window > 0): the query, at len - 1, sees the last window keys. */
+        const int64_t lo = window > 0 && len > window ? len - window : 0;
+        if (paged_decode_wide_seq(qb, k_cache, v_cache, cache_kind, ids, lo, len, block_size,
                                   num_kv_heads, h0, nh, group, dim, ob))
-            attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, len, block_size,
+            attend_seq_dispatch(qb, k_cache, v_cache, cache_is_bf16, ids, lo, len, block_size,
                                 num_kv_heads, h0, nh, group, chunks, ob);
     }
     return bad;

@@ -152,8 +152,9 @@ static inline __attribute__((always_inline)) void attend_block(
  * of its heads before the next block. */
 static inline __attribute__((always_inline)) void attend_seq16(
     const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
-    const int I8, const int64_t *blocks, int64_t len, int64_t block_size, int64_t row,
-    int64_t hs, int64_t h0, int64_t nh, const int G, const int C, float *restrict out) {
+    const int I8, const int64_t *blocks, int64_t lo, int64_t len, int64_t block_size,
+    int64_t row, int64_t hs, int64_t h0, int64_t nh, const int G, const int C,
+    float *restrict out) {
     const int64_t d = C * 16, heads = nh * G;
     v16f qv[heads * C], acc[heads * C];
     float m[heads], l[heads];
@@ -166,9 +167,12 @@ static inline __attribute__((always_inline)) void attend_seq16(
         l[i] = 0.0f;
     }
     const int64_t nblocks = (len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
-        const int64_t base = blocks[j] * block_size * row;
+    for (int64_t j = lo / block_size; j < nblocks; ++j) {
+        /* Keys [lo, len): the first block visited starts at lo's row (a sliding window). */
+        const int64_t skip = j * block_size < lo ? lo - j * block_size : 0;
+        const int64_t n = (len - j * block_size < block_size ? len - j * block_size
+                                                             : block_size) - skip;
+        const int64_t base = blocks[j] * block_size * row + skip * row;
         const int64_t next = j + 1 < nblocks ? blocks[j + 1] * block_size * row : -1;
         for (int64_t h = 0; h < nh; ++h) {
             const int64_t off = (h0 + h) * hs;
@@ -193,18 +197,19 @@ int paged_decode_wide_takes(int64_t group, int64_t dim) {
 }
 
 /* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
- * head dim `dim`), cache element `kind` (vec16.h): q and out hold those heads' rows.
+ * head dim `dim`), cache element `kind` (vec16.h), over its keys lo .. len - 1 (lo > 0:
+ * a sliding window): q and out hold those heads' rows.
  * Returns 0, or 1 for a shape this kernel does not take (nothing written). */
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
-                              int kind, const int64_t *blocks, int64_t len,
+                              int kind, const int64_t *blocks, int64_t lo, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
                               int64_t nh, int64_t group, int64_t dim, float *out) {
     if (!paged_decode_wide_takes(group, dim)) return 1;
     const int i8 = kind == KV_INT8, is_bf16 = kind == KV_BF16;
     const int64_t hs = i8 ? kv_int8_row(dim) : dim, row = num_kv_heads * hs;
 #define HEAD(I8, G, C)                                                                   \
-    attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, len, block_size, row, hs, h0, \
-                 nh, G, C, out);                                                         \
+    attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, lo, len, block_size, row, hs, \
+                 h0, nh, G, C, out);                                                     \
     return 0
 #define GROUPS(I8, C)                                              \
     switch (group) {                                               \

@@ -20,6 +20,7 @@
  *            (codes, then the row's scales: vec16.h; D a multiple of 32), per cache_kind
  *   tables   [B, W] int32 or int64 (tables_i64), rows table_stride apart
  *   starts   [B + 1] int32 (query_start_loc), lens [B] int32 (prefix + new tokens)
+ *   window   > 0: a sliding window, query position p sees keys p - window + 1 .. p
  * Returns 0; 1 for a shape it does not take (D not a multiple of 16 or above MAX_D, Hq
  * not a multiple of Hkv, more than MAX_G heads a group); NO_MEMORY; 16 + 2b when sequence
  * b's table is too short for its length or names a block outside the cache, 17 + 2b when
@@ -47,7 +48,7 @@ typedef struct {
     const void *q, *k, *v, *tables;
     void *out;
     const int32_t *starts, *lens;
-    int64_t hq, hkv, d, block_size, table_stride;
+    int64_t hq, hkv, d, block_size, table_stride, window;
     float scale;
     int q_bf16, cache_kind, tables_i64;
 } prefill_args;
@@ -86,10 +87,12 @@ static int costlier_first(const void *x, const void *y) {
 
 /* Rows r .. r + n - 1 (n <= RB; query position first + row / G) against the tile's nk
  * keys from t0 (K transposed in s->kt, V in s->v): scores, online softmax, weighted V
- * rows. RB rows at a time share each load of a K column and a V row. */
+ * rows. RB rows at a time share each load of a K column and a V row. A row sees keys
+ * pos - W + 1 .. pos (W: the window, or more than any position); each row given sees
+ * at least one key of the tile. */
 static inline __attribute__((always_inline)) void attend_rows(
     scratch *s, int64_t r, int64_t n, int64_t first, int64_t G, int64_t t0, int64_t nk,
-    int64_t d) {
+    int64_t d, int64_t W) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16f sc[RB];
     for (int j = 0; j < RB; j++) sc[j] = (v16f){0};
@@ -105,8 +108,9 @@ static inline __attribute__((always_inline)) void attend_rows(
             corr[j] = 1.0f;
             continue;
         }
-        const int64_t pos = first + (r + j) / G, see = pos - t0 + 1;
-        const v16i live = lane < (int32_t)(see < nk ? see : nk);
+        const int64_t pos = first + (r + j) / G, see = pos - t0 + 1, from = pos - W + 1 - t0;
+        const v16i live = (lane < (int32_t)(see < nk ? see : nk)) &
+                          (lane >= (int32_t)(from > 0 ? from : 0));
         const v16f x = vsel16(live, sc[j], (v16f){0} - INFINITY);
         float bmax = x[0];
         for (int k = 1; k < KT; k++) bmax = x[k] > bmax ? x[k] : bmax;
@@ -155,7 +159,10 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
     memset(s->q + rows * d, 0, (size_t)((padded - rows) * d) * sizeof(float));
     memset(s->o + rows * d, 0, (size_t)((padded - rows) * d) * sizeof(float));
     const int64_t keys = first + nq; /* the last query sees keys 0 .. first + nq - 1 */
-    for (int64_t t0 = 0; t0 < keys; t0 += KT) {
+    /* A sliding window: the first query sees keys from first - W + 1, none before. */
+    const int64_t W = a->window > 0 ? a->window : keys + KT;
+    const int64_t lo = first - W + 1 > 0 ? first - W + 1 : 0;
+    for (int64_t t0 = lo / KT * KT; t0 < keys; t0 += KT) {
         const int64_t nk = keys - t0 < KT ? keys - t0 : KT;
         for (int64_t u = 0; u < KT; u++) {
             if (u >= nk) {
@@ -188,8 +195,11 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
         }
         /* Rows in query order: those whose position reaches this tile are a suffix. */
         const int64_t from = t0 <= first ? 0 : (t0 - first) * G;
-        for (int64_t r = from; r < rows; r += RB)
-            attend_rows(s, r, rows - r < RB ? rows - r : RB, first, G, t0, nk, d);
+        /* ... and those whose window starts past the tile, a suffix too, skip it. */
+        int64_t to = (t0 + nk - 1 + W - first) * G;
+        if (to > rows) to = rows;
+        for (int64_t r = from; r < to; r += RB)
+            attend_rows(s, r, to - r < RB ? to - r : RB, first, G, t0, nk, d, W);
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t i = r / G, g = r % G;
@@ -206,7 +216,7 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
                                     int64_t table_stride, const int32_t *starts,
                                     const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv,
                                     int64_t d, int64_t num_blocks, int64_t block_size,
-                                    float scale, void *out, int32_t threads) {
+                                    float scale, void *out, int64_t window, int32_t threads) {
     if (d <= 0 || d % 16 || d > MAX_D || hkv <= 0 || hq % hkv || hq / hkv > MAX_G ||
         block_size <= 0 || cache_kind < KV_F32 || cache_kind > KV_INT8 ||
         (cache_kind == KV_INT8 && d % KV_GROUP))
@@ -241,7 +251,7 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
     }
     qsort(work, (size_t)items, sizeof(item), costlier_first);
     const prefill_args a = {q, k_cache, v_cache, tables, out, starts, lens, hq, hkv, d,
-                            block_size, table_stride, scale, q_bf16, cache_kind,
+                            block_size, table_stride, window, scale, q_bf16, cache_kind,
                             tables_i64};
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

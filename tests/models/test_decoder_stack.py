@@ -284,3 +284,38 @@ def test_models_without_a_fused_step(smollm2_path):
     assert deepinfer_kernels.bind_decoder_stack(decoder_stack_spec(auto)) is None
     auto.model.layers[3].self_attn.clip_qkv = 8.0  # OLMoE-style clipping: not the plain block
     assert decoder_stack_spec(auto) is None
+
+
+@pytest.mark.parametrize("window", [1, 8, 13])
+def test_fused_step_with_a_sliding_window_gives_the_per_layer_bits(auto_model, window):
+    """Every layer given a sliding window (prompts of 11-19 tokens, then 6 decode steps:
+    past the window): the fused step reads each layer's window as the per-layer decode
+    does (same bits), and both stay near the torch reference; without the window the
+    logits differ (the window is felt)."""
+    from deepinfer_kernels import reference
+
+    model, cfg, dtype = auto_model
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    g = torch.Generator().manual_seed(20 + window)
+    prompts = {s: torch.randint(3, cfg.vocab_size, (11 + 4 * s,), generator=g).tolist()
+               for s in range(3)}
+    full, _ = _run(model, cfg, dtype, cpu_backend, prompts, steps=6)
+    try:
+        for a in attns:
+            a.window = window
+        model.decoder_stack.reset()  # the bound step holds each layer's window
+        taken: list[int] = []
+        fused, fused_cache = _run(model, cfg, dtype, _counting(taken), prompts, steps=6)
+        assert taken == [3] * 6  # every decode step ran fused
+        plain, plain_cache = _run(model, cfg, dtype, LAYER_BY_LAYER, prompts, steps=6)
+        oracle, _ = _run(model, cfg, dtype, reference, prompts, steps=6)
+    finally:
+        for a in attns:
+            a.window = None
+        model.decoder_stack.reset()
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+    near = (fused.float() - oracle.float()).abs().mean()
+    assert near < (1e-4 if dtype == torch.float32 else 0.05) * oracle.float().std()
+    assert (full.float() - fused.float()).abs().mean() > 5 * near

@@ -2,7 +2,7 @@
 transformers on tiny random checkpoints: fused ``qkv_proj`` / ``gate_up_proj`` tensors
 split at load, LongRoPE (short factors below ``original_max_position_embeddings``, long
 ones from there), a partial rotary (q/k rows reordered at load, the pairs past the rotary
-width left alone by the cos/sin cache), the sliding window as a length limit; and what a
+width left alone by the cos/sin cache), the sliding window past its length; and what a
 bad config gets."""
 
 from __future__ import annotations
@@ -136,21 +136,23 @@ def test_rotary_row_order_pairs_what_transformers_pairs():
     assert torch.equal(rotary_row_order(16, 16), torch.arange(16).view(2, 8).reshape(-1))
 
 
-def test_engine_greedy_tokens_and_window_limit(phi3):
-    """The engine (the CPU kernels and the fused decode step in bfloat16 would round;
-    float32 here) gives transformers' greedy tokens on the partial-rotary model, and a
-    sliding window bounds max_model_len (sliding attention itself is not implemented)."""
+def test_engine_greedy_tokens_partial_rotary_and_sliding_window(phi3):
+    """The engine (the CPU kernels; float32, where bfloat16 would round) gives
+    transformers' greedy tokens on the partial-rotary model, and on the sliding-window
+    model (window 47) past its window: prompts of 30-40 tokens, 40 more generated, with a
+    prefill chunked at 16 tokens."""
     path, hf = phi3["partial"]
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=4 << 20,
               block_size=8)
     # 12 tokens end at position 19 < ORIG: transformers keeps the short factors
     assert_greedy_matches_hf(llm, hf, [[5, 17, 42, 99, 3, 8, 250, 12], [9, 8, 7]], 12)
-    window, _ = phi3["window"]
-    assert LLM(window, dtype="float32", device="cpu", kv_cache_memory=4 << 20
-               ).engine.max_model_len == 47
-    with pytest.raises(ValueError, match="max_model_len=48 exceeds.*sliding"):
-        LLM(window, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-            max_model_len=48)
+    window, hf = phi3["window"]
+    llm = LLM(window, dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=8,
+              max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 256  # max_position_embeddings, not the window
+    g = torch.Generator().manual_seed(47)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (30, 40)]
+    assert_greedy_matches_hf(llm, hf, prompts, 40)
 
 
 BASE = {"architectures": ["Phi3ForCausalLM"], **SHAPE}
