@@ -91,6 +91,13 @@ class ModelConfig:
     embedding_only: bool = False
     #: The embedding pooling the checkpoint's files name (``pooling_config``; None: none).
     pooling: str | None = None
+    #: The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU).
+    hidden_act: str = "silu"
+    #: Gemma 3 (``gemma_config``): RMSNorm weights stored as offsets from 1 (folded in at
+    #: load), norms after the attention and the MLP too, the sliding layers' RoPE base.
+    norm_weight_offset: bool = False
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
     attention_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False

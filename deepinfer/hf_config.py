@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from deepinfer.gemma_config import GEMMA3, gemma3_fields
+
 #: HF ``architectures`` names the engine can run (all share one decoder implementation).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -24,6 +26,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2MoeForCausalLM",
     "GraniteForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 #: Base-model architectures (the decoder without its language-model head, as embedding
@@ -95,6 +98,10 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
     "Phi3ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
                             bos_token_id=1, eos_token_id=32000),
+    # Gemma3TextConfig's; its RoPE and layer keys: deepinfer.gemma_config.
+    "Gemma3ForCausalLM": dict(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                              num_key_value_heads=4, head_dim=256, sliding_window=4096,
+                              bos_token_id=2, eos_token_id=1),
 }
 
 #: Phi3Config's pre-training context, its default ``original_max_position_embeddings``.
@@ -142,7 +149,7 @@ def hf_config_fields(cfg: dict[str, Any],
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM") and cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
+    if arch != GEMMA3 and act not in SUPPORTED_ACTIVATIONS:  # Gemma's: gemma3_fields
         raise ValueError(f"{arch}: hidden_act={act!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     defaults = HF_DEFAULTS[arch]
@@ -161,7 +168,7 @@ def hf_config_fields(cfg: dict[str, Any],
     eos = dict.fromkeys(int(i) for src in (own, gen) for i in _as_list(src.get("eos_token_id")))
     qkv_bias, o_bias = _hf_attention_bias(arch, cfg)
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    return dict(
+    fields = dict(
         architecture=arch,
         vocab_size=_count(arch, "vocab_size", cfg["vocab_size"]),
         hidden_size=hidden,
@@ -191,6 +198,9 @@ def hf_config_fields(cfg: dict[str, Any],
         **({"partial_rotary_factor": _phi3_partial_rotary(cfg)}
            if arch == "Phi3ForCausalLM" else {}),
     )
+    if arch == GEMMA3:
+        fields.update(gemma3_fields(cfg, hidden, fields["num_layers"]))
+    return fields
 
 
 #: generation_config.json's sampling keys (as vLLM reads them) -> SamplingParams fields.
@@ -376,6 +386,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "granite": "GraniteForCausalLM",
         "phi3": "Phi3ForCausalLM",
+        "gemma3_text": GEMMA3,
     }.get(model_type or "", model_type)
 
 

@@ -247,6 +247,8 @@ def _build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     model.requires_grad_(False)
     # That emptied the RoPE cache too: derived from the config, rebuild it.
     model.rotary.rebuild(dtype, device)
+    if model.rotary_local is not None:
+        model.rotary_local.rebuild(dtype, device)
     return model, keep
 
 

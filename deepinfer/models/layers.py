@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.backend import ModelBackend
@@ -41,17 +42,22 @@ class GatedMLP(nn.Module):
     row-parallel (one all-reduce)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, act: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.act = act  # "silu", or Gemma's "gelu_tanh" (GeGLU)
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = row_parallel_linear(intermediate_size, hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, backend: ModelBackend | None = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; ``backend``: the kernel provider whose
-        ``silu_and_mul`` runs (None: the torch reference's)."""
-        act = (backend or reference).silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        ``silu_and_mul`` runs (None: the torch reference's). GeGLU runs as torch ops, each
+        rounded to x's dtype as transformers' Gemma rounds them."""
+        gate_up = self.gate_up_proj(x)
+        if self.act == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj((backend or reference).silu_and_mul(gate_up))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,

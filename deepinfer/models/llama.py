@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
+from deepinfer.gemma_config import GEMMA3
 from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.decoder_stack import DecoderStackBinding
+from deepinfer.models.gemma import add_sandwich_norms, fold_norm_offsets, sandwich_forward
 from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from deepinfer.models.moe import (
     SparseMoeBlock,
@@ -120,10 +122,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, tp, layer)
         self.mlp: nn.Module = (
             SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(layer)
-            else GatedMLP(cfg.hidden_size, local_sizes(cfg, tp).intermediate_size, tp))
+            else GatedMLP(cfg.hidden_size, local_sizes(cfg, tp).intermediate_size, tp,
+                          act=cfg.hidden_act))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 elsewhere
+        self.sandwich = cfg.sandwich_norms  # Gemma 3's block (deepinfer.models.gemma)
+        if self.sandwich:
+            add_sandwich_norms(self, cfg)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, layer_cache: torch.Tensor,
@@ -133,6 +139,8 @@ class LlamaDecoderLayer(nn.Module):
         layer, with ``residual`` None), residual ``[T, hidden]``: the stream before it.
         Returns ``(mlp output, residual)``; the stream after this layer is their sum
         (each block's output scaled by ``residual_multiplier`` first, where not 1)."""
+        if self.sandwich:
+            return sandwich_forward(self, rope, x, residual, layer_cache, meta, backend)
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, backend.rms_norm(x, norm.weight, norm.eps)
@@ -182,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling,
             cfg.rope_freq_factors, dtype=dtype, device=device, rotary_dim=cfg.rotary_dim)
+        # Gemma 3's sliding layers rotate with their own base.
+        self.rotary_local = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_positions, cfg.local_rope_theta, None, None, dtype=dtype,
+            device=device)
         # A backend's fused decode step over all the layers, where it has one.
         self.decoder_stack = DecoderStackBinding()
 
@@ -216,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
-            x = x * self.config.embedding_multiplier
+            x = x * self._embedding_scale(x.dtype)
         if not meta.is_prompt:
             hidden = self.decoder_stack.run(self, backend, x, positions, kv_cache,
                                             meta.slot_mapping, meta.block_tables,
@@ -224,13 +236,24 @@ class LlamaForCausalLM(nn.Module):
             if hidden is not None:
                 return hidden
         rope = (self.rotary.cos_sin_cache, positions)
+        local = rope if self.rotary_local is None else (self.rotary_local.cos_sin_cache,
+                                                         positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(rope, x, residual, kv_cache[i], meta, backend)
+            r = rope if layer.self_attn.attn.window is None else local
+            x, residual = layer(r, x, residual, kv_cache[i], meta, backend)
         norm = self.model.norm
         if residual is None:  # no layers
             return backend.rms_norm(x, norm.weight, norm.eps)
         return backend.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+
+    def _embedding_scale(self, dtype: torch.dtype) -> float:
+        """``embedding_multiplier``; Gemma's rounded to the activations' dtype first, as
+        transformers stores it."""
+        mult = self.config.embedding_multiplier
+        if self.config.architecture == GEMMA3:
+            return torch.tensor(mult, dtype=torch.float32).to(dtype).item()
+        return mult
 
     def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden_size]`` -> this rank's block of the vocabulary's logits
@@ -302,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if offset is None else f"{target}#{offset}")
         if stored_head is not None and self._untie_if_different(stored_head):
             loaded.add("lm_head.weight")
+        if self.config.norm_weight_offset:
+            fold_norm_offsets(self)
         return loaded
 
     def _untie_if_different(self, head: torch.Tensor) -> bool:

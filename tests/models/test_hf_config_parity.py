@@ -25,8 +25,21 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              num_attention_heads=4, num_key_value_heads=2)
 
 
+def _config_class(arch: str) -> Any:
+    """transformers' config class of ``arch`` (Gemma 3's text one, not the multimodal)."""
+    name = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace(
+        "ForCausalLM", "Config")
+    return getattr(transformers, name)
+
+
+def _rope_theta(hf: Any) -> float:
+    """A config's (global) RoPE base: Gemma 3 keeps one per layer type."""
+    params = hf.rope_parameters
+    return (params["full_attention"] if "full_attention" in params else params)["rope_theta"]
+
+
 def _hf_config(arch: str, cfg: dict[str, Any]) -> Any:
-    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cls = _config_class(arch)
     if arch == "Phi3ForCausalLM":  # its default pad id (32000) is past these vocabularies
         cfg = {"pad_token_id": 0, **cfg}
     return cls.from_dict({"architectures": [arch], **cfg})
@@ -68,18 +81,21 @@ BARE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 def test_defaults_table_is_the_config_class_defaults(arch):
     """Fails if our table or transformers' config class changes: each HF_DEFAULTS value is
     the class's field default (read from its dataclass fields, before __post_init__)."""
-    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cls = _config_class(arch)
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
 
     def class_default(key: str) -> Any:
         if key == "rope_theta":  # no field: the class puts it into rope_parameters
-            return cls().rope_parameters["rope_theta"]
+            return _rope_theta(cls())
         return fields[key] if key in fields else fields.get(cls.attribute_map.get(key))
 
     assert set(HF_DEFAULTS[arch]) <= set(TABLE_KEYS)
     assert {k: class_default(k) for k in TABLE_KEYS} == {
         k: HF_DEFAULTS[arch].get(k) for k in TABLE_KEYS}
-    assert {k: fields.get(k, v) for k, v in FIXED_FALLBACKS.items()} == FIXED_FALLBACKS
+    # Gemma 3 ties its embeddings by default (gemma_config reads that default).
+    fixed = {**FIXED_FALLBACKS, **({"tie_word_embeddings": True}
+                                   if arch == "Gemma3ForCausalLM" else {})}
+    assert {k: fields.get(k, v) for k, v in fixed.items()} == fixed
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
@@ -97,14 +113,16 @@ def test_omitted_keys_as_transformers_builds_them(arch):
         "num_heads": q_rows // attn.head_dim,
         "num_kv_heads": k_rows // attn.head_dim,
         "head_dim": attn.head_dim,
-        "rope_theta": hf.rope_parameters["rope_theta"],
+        "rope_theta": _rope_theta(hf),
         "rms_norm_eps": hf.rms_norm_eps,
         "max_position_embeddings": hf.max_position_embeddings,
         "tie_word_embeddings": hf.tie_word_embeddings,
         "bos_token_id": hf_model.generation_config.bos_token_id,
         "eos_token_ids": () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-        # Mistral's default window; the Qwen families slide only with use_sliding_window
-        "sliding_window": 4096 if arch == "MistralForCausalLM" else None,
+        # Mistral's and Gemma's default window; the Qwen families slide only with
+        # use_sliding_window
+        "sliding_window": 4096 if arch in ("MistralForCausalLM", "Gemma3ForCausalLM")
+        else None,
         "num_experts": hf.num_experts if moe else 0,
         "num_experts_per_tok": hf.num_experts_per_tok if moe else 0,
         "moe_intermediate_size": getattr(hf, "moe_intermediate_size", hf.intermediate_size)
@@ -114,8 +132,10 @@ def test_omitted_keys_as_transformers_builds_them(arch):
     }
     assert {key: getattr(ours, key) for key in want} == want
     assert (getattr(hf, "sliding_window", None) or None) == want["sliding_window"]  # 0: none
-    assert hf.rope_parameters["rope_type"] == "default" and ours.rope_scaling is None
-    assert hf.hidden_act in ("silu", "swish")
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)
+    assert rope["rope_type"] == "default" and ours.rope_scaling is None
+    assert getattr(hf, "hidden_activation", None) == "gelu_pytorch_tanh" if \
+        arch == "Gemma3ForCausalLM" else hf.hidden_act in ("silu", "swish")
     with torch.device("meta"):
         qkv = LlamaForCausalLM(ours).model.layers[0].self_attn.qkv_proj
     assert qkv.weight.shape[0] == q_rows + 2 * k_rows
