@@ -16,7 +16,7 @@ from torch import nn
 from deepinfer.config import ModelConfig
 from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import ModelBackend
-from deepinfer.models.layers import RMSNorm
+from deepinfer.models.layers import RMSNorm, add_norm
 
 __all__ = ["add_sandwich_norms", "fold_norm_offsets", "sandwich_forward"]
 
@@ -36,11 +36,7 @@ def sandwich_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
     the residual stream before it (None for the first layer, whose x is the embeddings).
     Returns ``(post-normed MLP output, stream)``; the stream after the block is their
     sum."""
-    norm = layer.input_layernorm
-    if residual is None:
-        residual, h = x, backend.rms_norm(x, norm.weight, norm.eps)
-    else:
-        h, residual = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+    h, residual = add_norm(layer.input_layernorm, x, residual, backend)
     a = layer.self_attn(rope, h, layer_cache, meta, backend)
     norm = layer.post_attention_layernorm
     a = backend.rms_norm(a, norm.weight, norm.eps)

@@ -60,6 +60,16 @@ class GatedMLP(nn.Module):
         return self.down_proj((backend or reference).silu_and_mul(gate_up))
 
 
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+             backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input norm over the residual stream ``x + residual`` (``[T, hidden]``;
+    ``residual`` None: ``x`` is the stream, the first layer's embeddings), the add fused
+    into it: returns ``(normed, stream)``."""
+    if residual is None:
+        return backend.rms_norm(x, norm.weight, norm.eps), x
+    return backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32, with linear / llama3 / yarn scaling

@@ -29,7 +29,7 @@ from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.decoder_stack import DecoderStackBinding
 from deepinfer.models.gemma import add_sandwich_norms, fold_norm_offsets, sandwich_forward
-from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, add_norm
 from deepinfer.models.moe import (
     SparseMoeBlock,
     canonical_moe_name,
@@ -141,11 +141,7 @@ class LlamaDecoderLayer(nn.Module):
         (each block's output scaled by ``residual_multiplier`` first, where not 1)."""
         if self.sandwich:
             return sandwich_forward(self, rope, x, residual, layer_cache, meta, backend)
-        norm = self.input_layernorm
-        if residual is None:
-            residual, h = x, backend.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h, residual = add_norm(self.input_layernorm, x, residual, backend)
         a = self.self_attn(rope, h, layer_cache, meta, backend)
         r = self.residual_multiplier
         if r != 1.0:
