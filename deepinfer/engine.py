@@ -422,7 +422,8 @@ class LLMEngine:
             stats.prompt_time += dt
         else:
             stats.decode_time += dt
-        stats.generated_tokens += len(token_ids) - len(dropped)
+        # An embedding request's one sampled token is dropped: not generated output.
+        stats.generated_tokens += len(token_ids) - len(dropped) - len(pooled_ids)
         if self._watched:
             watch_sample_tokens(self._watched, out.sample_seqs, token_ids, logprobs,
                                 finished_seqs, {s.seq_id for s in dropped},

@@ -42,6 +42,9 @@ def test_embeddings_match_transformers_last_token(tiny_checkpoints, name):
     llm = _llm(ckpt.path)
     outs = llm.embed(PROMPTS, use_tqdm=False)
     assert all(isinstance(o, EmbeddingRequestOutput) and o.error is None for o in outs)
+    # The one token each samples is dropped: none counts as generated, every prompt one does.
+    stats = llm.engine.stats
+    assert (stats.generated_tokens, stats.prompt_tokens) == (0, sum(map(len, PROMPTS)))
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     for p, got in zip(PROMPTS, _vectors(outs)):
         want = torch.nn.functional.normalize(_hf_last_hidden(ckpt.hf_model.model, p), dim=0)
