@@ -99,11 +99,7 @@ class LLM:
         ``sampling_params``: one for all prompts, or one per prompt. Every request is
         validated before any work starts; an invalid one raises ``ValueError``.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
 
@@ -131,15 +127,20 @@ class LLM:
         ``pooling_params``: one for all prompts, or one per prompt. Every request is
         validated before any work starts; an invalid one raises ``ValueError``. The
         prompts run as prefill steps of the engine (batched, chunked, prefix-cached)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         pooling = self._params_per_prompt(pooling_params, len(prompts), PoolingParams,
                                           "pooling_params")
         unused = [SamplingParams()] * len(prompts)
         return self._run(prompts, unused, use_tqdm, pooling=pooling)
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        """The prompts as a list: a string or a list of token ids alone is one prompt."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]
+        return list(prompts)
 
     @staticmethod
     def _params_per_prompt(sp, n: int, kind: type = SamplingParams,
