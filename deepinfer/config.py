@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.gemma_config import GEMMA3, gguf_gemma3_fields
 from deepinfer.hf_config import (
     GGUF_ARCHITECTURES,
     GGUF_EXPERT_WEIGHTS_NORM,
@@ -259,6 +260,9 @@ class ModelConfig:
         if arch == "Phi3ForCausalLM":
             scaling, phi3 = gguf_phi3_fields(get, head_dim, longrope_factors)
             scalars.update(phi3)
+        if arch == GEMMA3:
+            scalars.update(gguf_gemma3_fields(get, hidden, num_heads, head_dim,
+                                              need("block_count")))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -277,7 +281,7 @@ class ModelConfig:
             pooling=gguf_pooling(get("pooling_type")),
             attention_bias=(arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
                             if qkv_bias is None else qkv_bias),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
             torch_dtype=torch.float16,

@@ -13,6 +13,9 @@ Both layouts are read: transformers 5's ``rope_parameters`` per layer type, and 
 ``rope_theta`` (global layers), ``rope_local_base_freq`` (sliding ones) and
 ``rope_scaling`` (global layers only). Soft-capping (Gemma 2's) and bidirectional
 attention are refused by name: no kernel implements them.
+
+GGUF files (llama.cpp's ``gemma3``) store the norms with the 1 already added, and leave
+out what llama.cpp hard-codes: :func:`gguf_gemma3_fields` reads them as it does.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["GEMMA3", "GEMMA3_DEFAULTS", "gemma3_fields"]
+__all__ = ["GEMMA3", "GEMMA3_DEFAULTS", "gemma3_fields", "gguf_gemma3_fields"]
 
 GEMMA3 = "Gemma3ForCausalLM"
 #: Gemma3TextConfig's defaults for the keys this module reads (the shape-independent ones).
@@ -91,4 +94,52 @@ def gemma3_fields(cfg: dict[str, Any], hidden_size: int, num_layers: int) -> dic
         embedding_multiplier=math.sqrt(hidden_size),
         hidden_act="gelu_tanh", norm_weight_offset=True, sandwich_norms=True, qk_norm=True,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+#: What llama.cpp assumes for a ``gemma3`` file that lacks the newer keys: the sliding
+#: layers' RoPE base, five sliding layers then a global one, and the layer count of the
+#: 27B model, whose attention is scaled by hidden_size / heads instead of head_dim.
+GGUF_GEMMA3_DEFAULTS: dict[str, Any] = dict(rope_freq_base_swa=1e4, sliding_window_pattern=6,
+                                            layers_27b=62)
+
+
+def gguf_gemma3_fields(get: Any, hidden_size: int, num_heads: int, head_dim: int,
+                       num_layers: int) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of a llama.cpp ``gemma3`` file beyond the common ones,
+    as llama.cpp reads it: ``attention.sliding_window`` (0 or absent: none),
+    ``attention.sliding_window_pattern`` (a period, or one flag per layer; absent: 6),
+    ``rope.freq_base_swa`` (absent: 10000; rope scaling is the global layers' only),
+    ``attention.scale`` (absent: head_dim ** -0.5, or (hidden_size / heads) ** -0.5 for
+    the 62-layer 27B). ``get(key)`` reads ``gemma3.{key}``. The norms are stored as plain
+    weights (the converter added the 1)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key):
+            raise ValueError(f"GGUF metadata gemma3.{key}={get(key)!r} is not supported "
+                             "(no soft-capping kernel)")
+    window = int(get("attention.sliding_window") or 0)
+    pattern = get("attention.sliding_window_pattern",
+                  GGUF_GEMMA3_DEFAULTS["sliding_window_pattern"])
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF metadata gemma3.attention.sliding_window_pattern has "
+                             f"{len(pattern)} flags for {num_layers} layers")
+        layers = tuple(i for i, sliding in enumerate(pattern) if sliding)
+    else:  # llama.cpp's period: layer i slides unless (i + 1) % period == 0; 0: all do
+        period = int(pattern)
+        layers = tuple(i for i in range(num_layers) if period == 0 or (i + 1) % period)
+    scale = get("attention.scale")
+    if not scale:
+        width = hidden_size // num_heads if num_layers == GGUF_GEMMA3_DEFAULTS[
+            "layers_27b"] else head_dim
+        scale = width ** -0.5
+    sliding = bool(window and layers)
+    return dict(
+        hidden_act="gelu_tanh", sandwich_norms=True, norm_weight_offset=False,
+        embedding_multiplier=math.sqrt(hidden_size), attention_multiplier=float(scale),
+        sliding_window=window if sliding else None,
+        sliding_layers=layers if sliding else None,
+        local_rope_theta=float(get("rope.freq_base_swa")
+                               or GGUF_GEMMA3_DEFAULTS["rope_freq_base_swa"])
+        if sliding else None,
     )

@@ -58,6 +58,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when

@@ -64,8 +64,15 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "attn_qkv": "self_attn.qkv_proj",
 }
-#: Phi-3 files store gate and up as one ``ffn_up`` tensor (gate rows first).
-_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+#: Where an architecture's files name a layer's tensors otherwise: Phi-3 stores gate and
+#: up as one ``ffn_up`` tensor (gate rows first); Gemma 3 has a norm before and after both
+#: the attention and the MLP, ``ffn_norm`` the one before the MLP.
+_ARCH_LAYER_NAMES = {
+    "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 #: Tensors folded into the config: Llama 3.1's frequency divisors, Phi-3's LongRoPE factors.
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 #: Stacked expert tensors ``[E, ...]`` -> the per-expert projection of each slice.
@@ -155,7 +162,7 @@ def hf_name(gguf_name: str, arch: str = "") -> str | None:
         return f"model.layers.{m[1]}.mlp.experts.{{}}.{_EXPERT_STACKS[m[2]]}.weight"
     if m:
         layer, part, kind = m.groups()
-        names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+        names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
         if part not in names:
             raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported decoder")
         return f"model.layers.{layer}.{names[part]}.{kind}"

@@ -18,6 +18,11 @@ GGUF_LAYER = {
     # Phi-3's fused projections (llama.cpp's ffn_up holds gate then up there)
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+#: Gemma 3's four norms, as llama.cpp's converter names them.
+GGUF_GEMMA3_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
@@ -38,12 +43,17 @@ def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
 
 def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                      expert_type: str | None = None, linear_type: str | None = None,
-                     pooling_type: int | None = None) -> None:
+                     pooling_type: int | None = None,
+                     spm_tokens: list[str] | None = None) -> None:
     """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
     experts stacked (or one tensor each, ``per_expert``), MoE keys, Phi-3's keys and
     LongRoPE factor tensors; ``expert_type``: the experts quantized to that block type by
     ``gguf`` (a 32-weight type); ``linear_type``: the layers' projections too;
-    ``pooling_type``: an embedding model's ``{arch}.pooling_type`` (llama.cpp's enum)."""
+    ``pooling_type``: an embedding model's ``{arch}.pooling_type`` (llama.cpp's enum).
+    Gemma 3 (``gemma3``): its norms renamed and stored plus 1, its window, and nothing of
+    what llama.cpp hard-codes (the sliding layers' RoPE base, their pattern).
+    ``spm_tokens``: a sentencepiece vocabulary (``tokenizer.ggml.model`` "llama", as
+    Gemma's files have: ids 0-3 pad, eos, bos, unk, then 256 ``<0xNN>`` byte tokens)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
@@ -64,6 +74,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
         from gguf import PoolingType
 
         w.add_pooling_type(PoolingType(pooling_type))
+    if spm_tokens is not None:
+        _add_spm_vocab(w, spm_tokens)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -72,7 +84,11 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    if arch == "gemma3":
+        rope = rope["full_attention"]
+        w.add_sliding_window(c.sliding_window)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(c.vocab_size)
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
     if experts:
@@ -101,7 +117,6 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
-    rope = c.rope_parameters
     if rope.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3.1 scaling as per-frequency divisors, rope_freqs.weight.
         import math
@@ -129,6 +144,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                     add_expert(gname, x)
                 continue
             mod, kind = rest.rsplit(".", 1)
+            if arch == "gemma3" and "norm" in mod:
+                t = t + 1.0  # llama.cpp stores Gemma's norm factors, not their offsets
             if mod == "mlp.shared_expert_gate":
                 t = t.reshape(-1)  # llama.cpp stores it as a vector
             if arch in ("llama", "granite") and mod in ("self_attn.q_proj",
@@ -136,7 +153,9 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                 h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
                 t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
-            gname = f"blk.{i}.{GGUF_LAYER[mod]}.{kind}"
+            layer_names = {**GGUF_LAYER, **GGUF_GEMMA3_NORMS} if arch == "gemma3" else \
+                GGUF_LAYER
+            gname = f"blk.{i}.{layer_names[mod]}.{kind}"
             if linear_type is not None and t.dim() == 2:
                 qtype = GGMLQuantizationType[linear_type]
                 arr = np.ascontiguousarray(t.numpy())
@@ -148,8 +167,25 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                      "lm_head.weight": "output.weight"}[name]
             if gname == "output.weight" and c.tie_word_embeddings:
                 continue
+            if arch == "gemma3" and gname == "output_norm.weight":
+                t = t + 1.0
         w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add_spm_vocab(w, tokens: list[str]) -> None:
+    """A sentencepiece vocabulary's keys as llama.cpp's converter writes them: pieces,
+    scores, types (control, unknown, byte, normal), the special ids, BOS added."""
+    kinds = [3, 1, 3, 2] + [6] * 256  # pad, eos, bos: control; unk; the byte pieces
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(kinds + [1] * (len(tokens) - len(kinds)))
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
