@@ -1,11 +1,9 @@
 """Model hyper-parameters, read from a Hugging Face ``config.json`` or from GGUF metadata.
 
-One dataclass covers every supported decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3,
-Granite, Phi-3 and the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE): they
-differ only in a few switches (qkv bias, per-head or full-width q/k RMSNorm, RoPE scaling
-and how much of a head it rotates, tied embeddings, Granite's scalars, which layers are
-sparse, routing renormalisation, a shared expert), so the model code reads those switches
-instead of branching on names.
+One dataclass covers every supported decoder (``hf_config.SUPPORTED_ARCHITECTURES``):
+they differ only in switches (qkv bias, q/k norms, RoPE scaling and which layers and how
+much of a head it rotates, tied embeddings, Granite's and Gemma's scalars, windows, which
+layers are sparse, routing), so the model code reads those instead of branching on names.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from deepinfer.hf_config import (
     hf_config_fields,
 )
 from deepinfer.pooling_config import gguf_pooling, hf_folder_pooling
+from deepinfer.smollm3_config import SMOLLM3, gguf_smollm3_fields
 
 #: RoPE variants the rotary embedding implements.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
@@ -122,6 +121,8 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     partial_rotary_factor: float = 1.0
+    #: The layers that apply no RoPE (SmolLM3's NoPE layers: every fourth).
+    nope_layers: tuple[int, ...] = ()
     # The sampling keys of generation_config.json (SamplingParams names), unchecked.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -263,6 +264,8 @@ class ModelConfig:
         if arch == GEMMA3:
             scalars.update(gguf_gemma3_fields(get, hidden, num_heads, head_dim,
                                               need("block_count")))
+        elif arch == SMOLLM3:
+            scalars.update(gguf_smollm3_fields(need("block_count")))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -417,9 +420,9 @@ def check_rotary_dims(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.architecture}: partial_rotary_factor="
                          f"{cfg.partial_rotary_factor} rotates {rot} of head_dim "
                          f"{cfg.head_dim} values; expected an even count from 2 to head_dim")
-    if rot < cfg.head_dim and (cfg.qk_norm or cfg.qk_norm_full_width):
-        raise ValueError(f"{cfg.architecture}: a partial rotary with q/k norms is not "
-                         "supported")
+    if (rot < cfg.head_dim or cfg.nope_layers) and (cfg.qk_norm or cfg.qk_norm_full_width):
+        raise ValueError(f"{cfg.architecture}: a partial rotary or NoPE layers with q/k "
+                         "norms are not supported")
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type") != "longrope":
         return

@@ -13,20 +13,13 @@ from typing import Any
 import torch
 
 from deepinfer.gemma_config import GEMMA3, gemma3_fields
+from deepinfer.smollm3_config import SMOLLM3, smollm3_fields
 
 #: HF ``architectures`` names the engine can run (all share one decoder implementation).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "GraniteForCausalLM",
-    "Phi3ForCausalLM",
-    "Gemma3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
+    "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
 )
 
 #: Base-model architectures (the decoder without its language-model head, as embedding
@@ -59,6 +52,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "smollm3": SMOLLM3,
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when
@@ -103,6 +97,9 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": dict(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
                               num_key_value_heads=4, head_dim=256, sliding_window=4096,
                               bos_token_id=2, eos_token_id=1),
+    # SmolLM3Config's; its NoPE layers and window: deepinfer.smollm3_config.
+    SMOLLM3: dict(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                  num_key_value_heads=4, bos_token_id=128000, eos_token_id=128001),
 }
 
 #: Phi3Config's pre-training context, its default ``original_max_position_embeddings``.
@@ -120,7 +117,8 @@ GRANITE_MULTIPLIERS: dict[str, float] = dict(embedding_multiplier=1.0, residual_
 #: other classes refuse it or build a broken model, so we refuse it too.
 _NULL_FALLBACK: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                            "OlmoeForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM"),
+                            "OlmoeForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
+                            SMOLLM3),
     "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
 }
 
@@ -146,8 +144,8 @@ def hf_config_fields(cfg: dict[str, Any],
     headless = arch in BASE_MODEL_ARCHITECTURES
     arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
     check_architecture(arch)
-    # Llama and Granite build MLP biases with mlp_bias; the others ignore the key.
-    if arch in ("LlamaForCausalLM", "GraniteForCausalLM") and cfg.get("mlp_bias"):
+    # Llama, Granite and SmolLM3 build MLP biases with mlp_bias; the others ignore it.
+    if arch in ("LlamaForCausalLM", "GraniteForCausalLM", SMOLLM3) and cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
     if arch != GEMMA3 and act not in SUPPORTED_ACTIVATIONS:  # Gemma's: gemma3_fields
@@ -201,6 +199,8 @@ def hf_config_fields(cfg: dict[str, Any],
     )
     if arch == GEMMA3:
         fields.update(gemma3_fields(cfg, hidden, fields["num_layers"]))
+    elif arch == SMOLLM3:
+        fields.update(smollm3_fields(cfg, fields["num_layers"]))
     return fields
 
 
@@ -261,7 +261,7 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     whatever the key says); the Qwen families only with ``use_sliding_window``, and Qwen2,
     Qwen3 and Qwen2-MoE only on the layers ``layer_types`` marks, by default from
     ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
-    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "GraniteForCausalLM") or (
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "GraniteForCausalLM", SMOLLM3) or (
             arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
         return {}
     window = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
@@ -388,6 +388,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "granite": "GraniteForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "gemma3_text": GEMMA3,
+        "smollm3": SMOLLM3,
     }.get(model_type or "", model_type)
 
 

@@ -45,7 +45,8 @@ _ACTIVATIONS = (torch.float32, torch.bfloat16)
 # decoder_cpu.c's enums (checked against the library): a projection is up to _MAX_PARTS
 # parts of (pointer, row stride, type, rows).
 _MAX_PARTS, _PART_FIELDS = 3, 4
-_MODEL_FIELDS, _LAYER_FIELDS = 10, 4 + 4 * _MAX_PARTS * _PART_FIELDS + 1  # + the window
+# + the window, whether RoPE rotates
+_MODEL_FIELDS, _LAYER_FIELDS = 10, 4 + 4 * _MAX_PARTS * _PART_FIELDS + 2
 
 
 def _vector_ok(w: torch.Tensor | None, size: int, dtype: torch.dtype) -> bool:
@@ -143,7 +144,8 @@ def _describe(spec: DecoderStackSpec) -> tuple[torch.Tensor, torch.Tensor] | Non
             return None  # the dense kernel takes bf16 activations only
         norms = [0 if w is None else w.data_ptr() for w in per_head]
         rows.append([layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
-                     *norms, *(f for w in weights for f in w), layer.window or 0])
+                     *norms, *(f for w in weights for f in w), layer.window or 0,
+                     int(layer.rope)])
     model = [h, spec.num_heads, spec.num_kv_heads, d, inter, int(dtype == torch.bfloat16),
              spec.final_norm.data_ptr(), cs.data_ptr(), cs.shape[0], INT8_MAX_M]
     return (torch.tensor(model, dtype=torch.int64),

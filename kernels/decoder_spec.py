@@ -54,7 +54,8 @@ def projection_parts(w: Projection) -> tuple[BlockWeight, ...]:
 class DecoderLayerWeights:
     """One decoder layer. Norm weights ``[hidden]`` (q/k norms ``[head_dim]``, or None)
     in the activation dtype; ``qkv`` rows are q, then k, then v; ``gate_up`` rows are
-    gate, then up. ``window``: the layer's sliding attention window (None: none)."""
+    gate, then up. ``window``: the layer's sliding attention window (None: none);
+    ``rope``: whether RoPE rotates q and k (False: a NoPE layer, SmolLM3's)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -65,6 +66,7 @@ class DecoderLayerWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     window: int | None = None
+    rope: bool = True
 
 
 @dataclass(frozen=True)

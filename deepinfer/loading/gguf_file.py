@@ -8,8 +8,8 @@ Two layout facts matter:
 * llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama*-architecture
   models (each head's two rotary halves interleaved, for its GPT-J-style RoPE). The model
   uses HF's rotate-half layout, so that permutation is undone here (Mixtral is a llama
-  file with experts; Granite's converter is the llama one). Qwen2/Qwen3 (and their MoE)
-  and OLMoE files are written unpermuted.
+  file with experts; Granite's and SmolLM3's converters are the llama one). Qwen2/Qwen3
+  (and their MoE), OLMoE and Gemma 3 files are written unpermuted.
 
 Mixture-of-experts files hold each layer's experts stacked, ``ffn_{gate,up}_exps``
 ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]`` (older Mixtral files: one
@@ -218,8 +218,8 @@ def iter_gguf(gguf: GGUFFile, cfg: ModelConfig, keep: Container[str] = ()
     one slice each: float32, or for the names in ``keep`` the raw blocks, uint8
     ``[rows, row_bytes]`` (a copy: the file's map is not held)."""
     arch = gguf.metadata["general.architecture"]
-    # llama.cpp's converter permutes q/k of llama files and of granite ones (a llama).
-    llama = arch in ("llama", "granite")
+    # llama.cpp's converter permutes q/k of llama files, and of granite and smollm3 ones.
+    llama = arch in ("llama", "granite", "smollm3")
     for t in gguf.tensors:
         name = hf_name(t.name, arch)
         if name is None:

@@ -63,7 +63,8 @@ def _layer_weights(block: nn.Module, eps: float) -> DecoderLayerWeights | None:
         block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
         qkv, o, gate_up, down,
         None if attn.q_norm is None else attn.q_norm.weight.detach(),
-        None if attn.k_norm is None else attn.k_norm.weight.detach(), attn.attn.window)
+        None if attn.k_norm is None else attn.k_norm.weight.detach(), attn.attn.window,
+        attn.rope)
 
 
 def decoder_stack_spec(model: nn.Module) -> DecoderStackSpec | None:

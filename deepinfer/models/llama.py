@@ -81,6 +81,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
                               scale=cfg.attention_multiplier, window=cfg.layer_window(layer))
+        self.rope = layer not in cfg.nope_layers  # SmolLM3's NoPE layers rotate nothing
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 layer_cache: torch.Tensor, meta: AttentionMetadata,
@@ -99,7 +100,9 @@ class LlamaAttention(nn.Module):
         # v stays a strided view of the fused output: it only feeds store_kv, which takes
         # any row stride (unit last stride).
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.full_width_norm:
+        if not self.rope:  # the attention kernels take q and k packed
+            q, k = q.contiguous(), k.contiguous()
+        elif self.q_norm is not None and not self.full_width_norm:
             # Per-head q/k norm (Qwen3) runs inside the rotary kernel.
             q, k = backend.rotary_qk(q, k, *rope, self.q_norm.weight, self.k_norm.weight,
                                      self.q_norm.eps)

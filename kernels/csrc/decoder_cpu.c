@@ -86,6 +86,7 @@ enum { M_HIDDEN, M_HQ, M_HKV, M_DIM, M_INTER, M_BF16, M_FINAL_NORM, M_COS_SIN, M
 enum { L_IN_NORM, L_POST_NORM, L_Q_NORM, L_K_NORM, L_QKV, L_O = L_QKV + PROJ_FIELDS,
        L_GATE_UP = L_O + PROJ_FIELDS, L_DOWN = L_GATE_UP + PROJ_FIELDS,
        L_WINDOW = L_DOWN + PROJ_FIELDS, /* the layer's sliding window (0: none) */
+       L_ROPE, /* 1: RoPE rotates q and k; 0: a NoPE layer (SmolLM3's), none */
        LAYER_FIELDS };
 #define NO_MEMORY 3
 #define BAD_TYPE 1
@@ -198,10 +199,17 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
             rc = rms_norm_cpu(cur, h, res, h, res, h, P(L[L_IN_NORM]), hb, h, t, h, eps, bf16,
                               threads);
         if (!rc) rc = projection(hb, t, h, L + L_QKV, qkv_n, qkv, &how);
-        if (!rc)
+        if (!rc && L[L_ROPE])
             rc = rotary_qk_cpu(qkv, qkv_n, (char *)qkv + (size_t)qs * es, qkv_n, qrot, qs,
                                krot, kvs, t, hq, hkv, d, cos_sin, max_pos, positions,
                                P(L[L_Q_NORM]), P(L[L_K_NORM]), eps, bf16, threads);
+        else if (!rc) /* NoPE: q and k as projected, packed as the rotary kernel packs */
+            for (int64_t r = 0; r < t; r++) {
+                const char *row = (const char *)qkv + (size_t)(r * qkv_n) * es;
+                memcpy((char *)qrot + (size_t)(r * qs) * es, row, (size_t)qs * es);
+                memcpy((char *)krot + (size_t)(r * kvs) * es, row + (size_t)qs * es,
+                       (size_t)kvs * es);
+            }
         if (!rc && kv_int8)
             rc = store_kv_int8_cpu(krot, kvs, (char *)qkv + (size_t)(qs + kvs) * es, qkv_n,
                                    k_cache, v_cache, slots, t, hkv, d, num_slots, bf16);

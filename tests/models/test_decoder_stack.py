@@ -319,3 +319,35 @@ def test_fused_step_with_a_sliding_window_gives_the_per_layer_bits(auto_model, w
     near = (fused.float() - oracle.float()).abs().mean()
     assert near < (1e-4 if dtype == torch.float32 else 0.05) * oracle.float().std()
     assert (full.float() - fused.float()).abs().mean() > 5 * near
+
+
+def test_fused_step_with_nope_layers_gives_the_per_layer_bits(auto_model):
+    """Every fourth layer without RoPE (SmolLM3's NoPE layers), 2 sequences, 6 decode
+    steps: the fused step copies those layers' q and k unrotated as the per-layer path
+    does (same bits), both near the torch reference, and the NoPE layers are felt."""
+    from deepinfer_kernels import reference
+
+    model, cfg, dtype = auto_model
+    nope = [layer.self_attn for i, layer in enumerate(model.model.layers) if i % 4 == 3]
+    g = torch.Generator().manual_seed(41)
+    prompts = {s: torch.randint(3, cfg.vocab_size, (9 + 5 * s,), generator=g).tolist()
+               for s in range(2)}
+    rotated, _ = _run(model, cfg, dtype, cpu_backend, prompts, steps=6)
+    try:
+        for a in nope:
+            a.rope = False
+        model.decoder_stack.reset()
+        taken: list[int] = []
+        fused, fused_cache = _run(model, cfg, dtype, _counting(taken), prompts, steps=6)
+        assert taken == [2] * 6
+        plain, plain_cache = _run(model, cfg, dtype, LAYER_BY_LAYER, prompts, steps=6)
+        oracle, _ = _run(model, cfg, dtype, reference, prompts, steps=6)
+    finally:
+        for a in nope:
+            a.rope = True
+        model.decoder_stack.reset()
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_cache, plain_cache)
+    near = (fused.float() - oracle.float()).abs().mean()
+    assert near < (1e-4 if dtype == torch.float32 else 0.05) * oracle.float().std()
+    assert (rotated.float() - fused.float()).abs().mean() > 5 * near

@@ -40,8 +40,8 @@ def _rope_theta(hf: Any) -> float:
 
 def _hf_config(arch: str, cfg: dict[str, Any]) -> Any:
     cls = _config_class(arch)
-    if arch == "Phi3ForCausalLM":  # its default pad id (32000) is past these vocabularies
-        cfg = {"pad_token_id": 0, **cfg}
+    if arch in ("Phi3ForCausalLM", "SmolLM3ForCausalLM"):
+        cfg = {"pad_token_id": 0, **cfg}  # their default pad ids are past these vocabularies
     return cls.from_dict({"architectures": [arch], **cfg})
 
 
@@ -92,9 +92,11 @@ def test_defaults_table_is_the_config_class_defaults(arch):
     assert set(HF_DEFAULTS[arch]) <= set(TABLE_KEYS)
     assert {k: class_default(k) for k in TABLE_KEYS} == {
         k: HF_DEFAULTS[arch].get(k) for k in TABLE_KEYS}
-    # Gemma 3 ties its embeddings by default (gemma_config reads that default).
+    # Gemma 3 and SmolLM3 tie their embeddings by default (gemma_config and
+    # smollm3_config read that default).
     fixed = {**FIXED_FALLBACKS, **({"tie_word_embeddings": True}
-                                   if arch == "Gemma3ForCausalLM" else {})}
+                                   if arch in ("Gemma3ForCausalLM", "SmolLM3ForCausalLM")
+                                   else {})}
     assert {k: fields.get(k, v) for k, v in fixed.items()} == fixed
 
 
@@ -332,10 +334,11 @@ def test_eos_default_only_when_no_file_names_one(cfg_eos, gen, want):
     assert ModelConfig.from_hf_config(cfg, gen).eos_token_ids == want
 
 
-def test_mlp_bias_refused_on_llama_and_granite_only():
-    """Only Llama's and Granite's MLPs have biases with mlp_bias (unsupported here); the
-    other classes ignore the key (test_hf_logits_parity.py loads such checkpoints)."""
-    biased = ("LlamaForCausalLM", "GraniteForCausalLM")
+def test_mlp_bias_refused_on_llama_granite_and_smollm3_only():
+    """Only Llama's, Granite's and SmolLM3's MLPs have biases with mlp_bias (unsupported
+    here); the other classes ignore the key (test_hf_logits_parity.py loads such
+    checkpoints)."""
+    biased = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
     for arch in biased:
         with pytest.raises(ValueError, match=f"{arch}: mlp_bias=true is not supported"):
             ModelConfig.from_hf_config({"architectures": [arch], **SHAPE, "mlp_bias": True})

@@ -148,8 +148,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                 t = t + 1.0  # llama.cpp stores Gemma's norm factors, not their offsets
             if mod == "mlp.shared_expert_gate":
                 t = t.reshape(-1)  # llama.cpp stores it as a vector
-            if arch in ("llama", "granite") and mod in ("self_attn.q_proj",
-                                                        "self_attn.k_proj"):
+            if arch in ("llama", "granite", "smollm3") and mod in (
+                    "self_attn.q_proj", "self_attn.k_proj"):
                 h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
                 t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
