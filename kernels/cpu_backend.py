@@ -170,19 +170,23 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its ``seq_lens[b]`` cached keys (its last
-    ``window`` with a sliding window): the native C kernel (:mod:`kernels.cpu_native`,
-    reads K/V straight from the paged cache) where it takes the inputs, else
-    :func:`gathered_decode_attention`. Shapes and dtypes as there.
+    ``window`` with a sliding window; scores soft-capped at ``softcap``, Gemma 2): the
+    native C kernel (:mod:`kernels.cpu_native`, reads K/V straight from the paged cache)
+    where it takes the inputs, else :func:`gathered_decode_attention` (the reference
+    with an int8 cache, a window or a cap). Shapes and dtypes as there.
     """
     if cpu_native.can_decode(q, k_cache, v_cache, block_tables, seq_lens):
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                  seq_lens, scale=scale, out=out,
-                                                 window=window)
-    if is_int8_cache(k_cache) or window is not None:  # the C kernel's or gathered's misses
+                                                 window=window, softcap=softcap)
+    # What neither the C kernel nor the gathered path takes.
+    if is_int8_cache(k_cache) or window is not None or softcap is not None:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                scale=scale, out=out, window=window)
+                                                scale=scale, out=out, window=window,
+                                                softcap=softcap)
     return gathered_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                      scale=scale, out=out)
 
@@ -301,11 +305,13 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves (each over its last
-    ``window`` positions with a sliding window), all read from cache: the native C
-    kernel (:mod:`kernels.cpu_prefill`) where it takes the inputs, else
-    :func:`gathered_prefill_attention`.
+    ``window`` positions with a sliding window; scores soft-capped at ``softcap``), all
+    read from cache: the native C kernel (:mod:`kernels.cpu_prefill`) where it takes the
+    inputs, else :func:`gathered_prefill_attention` (the reference with an int8 cache, a
+    window or a cap).
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
     cached prefix plus this step's new tokens. Returns ``[T, Hq, D]`` in q's dtype (into
@@ -315,11 +321,11 @@ def paged_prefill_attention(
     if cpu_prefill.can_prefill(q, k_cache, v_cache, block_tables):
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                    query_start_loc, seq_lens, scale=scale,
-                                                   out=out, window=window)
-    if is_int8_cache(k_cache) or window is not None:
+                                                   out=out, window=window, softcap=softcap)
+    if is_int8_cache(k_cache) or window is not None or softcap is not None:
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                  query_start_loc, seq_lens, scale=scale,
-                                                 out=out, window=window)
+                                                 out=out, window=window, softcap=softcap)
     return gathered_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale=scale, out=out)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_kernels.kv_quant import cache_head_dim
-from deepinfer_kernels.validation import check_out, check_window, table_error
+from deepinfer_kernels.validation import check_out, check_softcap, check_window, table_error
 
 __all__ = ["native_library", "can_decode", "paged_decode_attention", "MAX_BLOCK_SIZE"]
 
@@ -52,10 +52,11 @@ HEADERS = (_CSRC / "vec16.h", _CSRC / "gguf_rows16.h")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
-    "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 2 + [_I64, _I32],
+    "paged_decode_attention_cpu": [_PTR] * 6 + [_I64] * 8 + [_I32] * 2 + [_I64, _F32, _I32],
     "paged_prefill_attention_cpu": [_PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I64,
                                     _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                                    _PTR, _I64, _I32],
+                                    _PTR, _I64, _F32, _I32],
+    "softcap_scores": [_PTR, _I64, _F32],
     "gguf_matmul_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR, _I64,
                         _I32, _I32],
     "gguf_matmul_int8_cpu": [_PTR, _I64, _I64, _I64, _I32, _PTR, _I64, _I64, _I32, _PTR,
@@ -102,6 +103,14 @@ _BASE_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-Wno-psabi"]
 # (a compiler without OpenMP, e.g. Apple clang: the kernel runs on one thread).
 _FLAG_SETS = (_BASE_FLAGS + ["-fopenmp", "-march=native"], _BASE_FLAGS + ["-fopenmp"],
               _BASE_FLAGS)
+
+
+def softcap_arg(softcap: float | None) -> float:
+    """A checked cap as the C kernels' fp32 argument (0: none), kept within [1e-30, 1e30]:
+    in fp32 a smaller cap would become 0 (none) or have an infinite inverse, a larger one
+    would be infinite (NaN scores). No fp32 result moves: from 1e30 the cap leaves every
+    score below 1e26 as it is, and under 1e-30 every score's weight is e^0."""
+    return 0.0 if softcap is None else min(max(softcap, 1e-30), 1e30)
 
 
 def _cache_dir() -> Path:
@@ -228,9 +237,11 @@ def paged_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its ``seq_lens[b]`` cached keys (its last
-    ``window`` with a sliding window), by the C kernel.
+    ``window`` with a sliding window; scores soft-capped at ``softcap``, as
+    :func:`deepinfer_kernels.validation.check_softcap` says), by the C kernel.
 
     q ``[B, Hq, D]`` (any float dtype); k_cache/v_cache ``[num_blocks, block_size, Hkv,
     D]`` fp32 or bf16, or ``[..., D * 9 / 8]`` int8 (:mod:`deepinfer_kernels.kv_quant`),
@@ -244,6 +255,7 @@ def paged_decode_attention(
     lib = native_library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not available (see can_decode)")
+    window, softcap = check_window(window), check_softcap(softcap)
     b, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_cache.shape
     scale = d**-0.5 if scale is None else scale
@@ -268,7 +280,7 @@ def paged_decode_attention(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), res.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
         tables.shape[1], tables.stride(0), KV_KIND[k_cache.dtype],
-        int(tables.dtype == torch.int64), check_window(window) or 0,
+        int(tables.dtype == torch.int64), window or 0, softcap_arg(softcap),
         torch.get_num_threads())
     if rc == _BAD_SHAPE:
         raise ValueError(f"paged_decode_attention: shapes the native kernel cannot take "

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.cpu_native import KV_KIND, native_library
+from deepinfer_kernels.cpu_native import KV_KIND, native_library, softcap_arg
 from deepinfer_kernels.kv_quant import KV_GROUP, cache_head_dim
-from deepinfer_kernels.validation import check_out, check_window, table_error
+from deepinfer_kernels.validation import check_out, check_softcap, check_window, table_error
 
 __all__ = ["can_prefill", "paged_prefill_attention"]
 
@@ -56,9 +56,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float | None = None,
                             out: torch.Tensor | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves, all read from cache
-    (with a sliding ``window``, each query over its last ``window`` positions).
+    (with a sliding ``window``, each query over its last ``window`` positions; scores
+    soft-capped at ``softcap``: :func:`deepinfer_kernels.validation.check_softcap`).
 
     q ``[T, Hq, D]`` fp32/bf16 packed; k_cache/v_cache ``[num_blocks, block_size, Hkv, D]``
     (int8: ``[..., D * 9 / 8]``);
@@ -71,6 +73,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lib = native_library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not available (see can_prefill)")
+    window, softcap = check_window(window), check_softcap(softcap)
     t, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_cache.shape
     scale = d**-0.5 if scale is None else scale
@@ -96,7 +99,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         KV_KIND[k_cache.dtype], tables.data_ptr(),
         int(tables.dtype == torch.int64), tables.shape[1], tables.stride(0), starts.data_ptr(),
         lens.data_ptr(), b, hq, hkv, d, num_blocks, block_size, scale, res.data_ptr(),
-        check_window(window) or 0, torch.get_num_threads())
+        window or 0, softcap_arg(softcap), torch.get_num_threads())
     if rc >= 16:
         s = (rc - 16) // 2
         q_len, length = int(starts[s + 1] - starts[s]), int(lens[s])

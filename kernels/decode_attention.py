@@ -32,6 +32,7 @@ from deepinfer_kernels.validation import (
     check_optional_int,
     check_out,
     check_scale,
+    check_softcap,
     check_window,
 )
 
@@ -40,10 +41,39 @@ _MAX_SPLITS = 64  # the merge kernel's [splits, D] register tile
 
 
 @triton.jit
+def softcap_scores(x, cap_scale):
+    """``tanh(x) * cap_scale``: soft-capped scores in the exp2 domain, for ``x`` a scaled
+    score over the cap and ``cap_scale`` the cap times log2(e) (``score_scales``).
+
+    No libdevice call, so it runs under the interpreter and on any CUDA Triton: tanh from
+    ``exp(-2|x|)`` (in (0, 1], never overflows) and the sign put back after. Below
+    |x| = 1/8 that loses relative precision (1 - e cancels; a cap far above the scores
+    would blur them), so there an odd Taylor polynomial takes over, whose first dropped
+    term is under 1e-9 of it: about 4e-7 relative error everywhere.
+    """
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.885390081777927)  # exp(-2|x|): 2 * log2(e)
+    x2 = x * x
+    small = a + a * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                                                       + x2 * -0.05396825396825397))
+    t = tl.where(a < 0.125, small, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t) * cap_scale
+
+
+def score_scales(sm_scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' ``(qk_scale, cap_scale)``. Uncapped, a score times ``qk_scale`` is its
+    exp2-domain value and ``cap_scale`` is unused; capped, it is ``softcap_scores``'s
+    argument ``s / softcap`` and ``cap_scale`` the cap in the exp2 domain."""
+    if softcap is None:
+        return sm_scale * LOG2E, 1.0
+    return sm_scale / softcap, softcap * LOG2E
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
     out_ptr, part_ptr, lse_ptr,
-    qk_scale, window,
+    qk_scale, cap_scale, window,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -54,7 +84,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, KV_INT8: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,6 +131,8 @@ def _decode_kernel(
         k = load_kv(kc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         scores = mma(q, tl.trans(k), tl.zeros([GROUP_PAD, BLOCK_N], tl.float32),
                      PRECISION, UPCAST) * qk_scale
+        if SOFTCAP:  # before the mask: masked keys stay -inf
+            scores = softcap_scores(scores, cap_scale)
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -207,6 +239,7 @@ def decode_launches(
     max_seq_len: int | None,
     target: Target,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> list[Launch]:
     """The launches of ``paged_decode_attention`` for validated, non-empty arguments.
 
@@ -233,15 +266,16 @@ def decode_launches(
     common = dict(
         GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, KV_INT8=kv_int8,
-        PRECISION=precision, UPCAST=upcast,
+        PRECISION=precision, UPCAST=upcast, SOFTCAP=softcap is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    scales = score_scales(sm_scale, softcap)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if splits == 1:
         return [Launch(_decode_kernel, (batch, num_kv_heads, 1), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, out, out,
-            sm_scale * LOG2E, NO_WINDOW if window is None else window,
+            *scales, NO_WINDOW if window is None else window,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             0, 0, 0, 0, 0,
@@ -254,7 +288,7 @@ def decode_launches(
         Launch(_decode_kernel, (batch, num_kv_heads, splits), (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, part, lse,
-            sm_scale * LOG2E, NO_WINDOW if window is None else window,
+            *scales, NO_WINDOW if window is None else window,
             q.stride(0), q.stride(1), *cache_strides, block_tables.stride(0),
             out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
@@ -279,9 +313,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence attends to its ``seq_lens[b]`` cached keys (paged cache;
-    its last ``window`` with a sliding window).
+    its last ``window`` with a sliding window; each scaled score ``s`` taken as
+    ``softcap * tanh(s / softcap)`` with a ``softcap``, Gemma 2's logit soft-capping).
 
     q: ``[B, Hq, D]`` fp32/fp16/bf16 (unit last stride); k_cache, v_cache:
     ``[num_blocks, block_size, Hkv, D]`` same dtype as q, contiguous, or int8
@@ -307,10 +343,10 @@ def paged_decode_attention(
     sm_scale = check_scale(scale, q.shape[2])
     forced = check_optional_int("num_splits", num_splits, 1)
     hint = check_optional_int("max_seq_len", max_seq_len, 0)
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     out = torch.empty_like(q) if out is None else check_out(out, q)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return out
     run_launches(decode_launches(q, k_cache, v_cache, block_tables, seq_lens, out, sm_scale,
-                                 forced, hint, Target.of(q.device), window))
+                                 forced, hint, Target.of(q.device), window, softcap))
     return out

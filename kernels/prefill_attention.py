@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+# The soft cap is defined once, with the decode kernel, for both.
+from deepinfer_kernels.decode_attention import score_scales, softcap_scores
 from deepinfer_kernels.kv_quant import is_int8_cache
 from deepinfer_kernels.runtime import Launch, Target, dot_flags, pad_dim, run_launches
 from deepinfer_kernels.tl_helpers import load_kv, mma
@@ -22,27 +24,27 @@ from deepinfer_kernels.validation import (
     check_optional_int,
     check_out,
     check_scale,
+    check_softcap,
     check_tensor,
     check_window,
     fail,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
     kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-    lo, hi, seq_len, qk_scale, window,
+    lo, hi, seq_len, qk_scale, cap_scale, window,
     stride_cb, stride_cs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, KV_INT8: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the running (acc, l, m); CAUSAL adds the diagonal mask
-    and the sliding window's (query p sees keys p - window + 1 .. p)."""
+    and the sliding window's (query p sees keys p - window + 1 .. p); SOFTCAP soft-caps
+    the scores (``score_scales`` gives ``qk_scale`` and ``cap_scale``)."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < seq_len  # all true in an unmasked tile (lo/hi keep it below seq_len)
@@ -56,6 +58,8 @@ def _attend_tiles(
         k = load_kv(kc_ptr, row, d, n_ok, kv_mask, HEAD_DIM, D_PAD, KV_INT8, q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                 PRECISION, UPCAST) * qk_scale
+        if SOFTCAP:  # before the mask: masked keys stay -inf
+            s = softcap_scores(s, cap_scale)
         if CAUSAL:
             visible = ((n[None, :] <= q_pos[:, None]) & n_ok[None, :]
                        & (n[None, :] > q_pos[:, None] - window))
@@ -75,7 +79,7 @@ def _attend_tiles(
 @triton.jit
 def prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, window,
+    qk_scale, cap_scale, window,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -83,6 +87,7 @@ def prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_INT8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -121,19 +126,19 @@ def prefill_kernel(
         open_lo = tl.minimum(win_full, full_end)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-            win_lo, open_lo, seq_len, qk_scale, window, stride_cb, stride_cs,
+            win_lo, open_lo, seq_len, qk_scale, cap_scale, window, stride_cb, stride_cs,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, True, KV_INT8,
-            PRECISION, UPCAST)
+            PRECISION, UPCAST, SOFTCAP)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-            open_lo, full_end, seq_len, qk_scale, window, stride_cb, stride_cs,
+            open_lo, full_end, seq_len, qk_scale, cap_scale, window, stride_cb, stride_cs,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, False, KV_INT8,
-            PRECISION, UPCAST)
+            PRECISION, UPCAST, SOFTCAP)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, head_off, d, d_ok,
-            full_end, diag_end, seq_len, qk_scale, window, stride_cb, stride_cs,
+            full_end, diag_end, seq_len, qk_scale, cap_scale, window, stride_cb, stride_cs,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, True, KV_INT8,
-            PRECISION, UPCAST)
+            PRECISION, UPCAST, SOFTCAP)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -206,6 +211,7 @@ def prefill_launches(
     max_q: int,
     target: Target,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> list[Launch]:
     """The launch of ``paged_prefill_attention`` for validated, non-empty arguments.
 
@@ -220,7 +226,7 @@ def prefill_launches(
     grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), num_q_heads, seq_lens.shape[0])
     return [Launch(prefill_kernel, grid, (
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        sm_scale * LOG2E, NO_WINDOW if window is None else window,
+        *score_scales(sm_scale, softcap), NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -228,7 +234,7 @@ def prefill_launches(
     ), dict(
         GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        KV_INT8=kv_int8, PRECISION=precision, UPCAST=upcast,
+        KV_INT8=kv_int8, PRECISION=precision, UPCAST=upcast, SOFTCAP=softcap is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     ))]
 
@@ -244,9 +250,11 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over cached prefix + themselves (with a
-    sliding ``window``, each query over its last ``window`` positions).
+    sliding ``window``, each query over its last ``window`` positions; with a ``softcap``,
+    each scaled score ``s`` taken as ``softcap * tanh(s / softcap)``, as Gemma 2's).
 
     q: ``[T, Hq, D]`` packed new tokens (fp32/fp16/bf16, unit last stride); k_cache,
     v_cache: ``[num_blocks, block_size, Hkv, D]`` same dtype, contiguous (or int8
@@ -271,7 +279,7 @@ def paged_prefill_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     sm_scale = check_scale(scale, head_dim)
     hint = check_optional_int("max_query_len", max_query_len, 0)
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     out = torch.empty_like(q) if out is None else check_out(out, q)
     if num_tokens == 0 or batch == 0 or num_q_heads == 0:
         return out
@@ -280,5 +288,5 @@ def paged_prefill_attention(
     if max_q == 0:
         return out
     run_launches(prefill_launches(q, k_cache, v_cache, block_tables, qsl, seq_lens, out,
-                                  sm_scale, max_q, Target.of(q.device), window))
+                                  sm_scale, max_q, Target.of(q.device), window, softcap))
     return out

@@ -27,7 +27,7 @@ from deepinfer_kernels.sampling_reference import (  # noqa: F401
     sample_tokens,
     sample_tokens_filtered,
 )
-from deepinfer_kernels.validation import check_window
+from deepinfer_kernels.validation import check_softcap, check_window
 
 
 def store_kv(
@@ -63,8 +63,23 @@ def _gather_kv(
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor, scale: float,
+                         softcap: float | None) -> torch.Tensor:
+    """SDPA over ``[..., Lq, D]`` queries and ``[..., Lk, D]`` keys/values with a bool
+    ``mask`` broadcast to ``[..., Lq, Lk]``; with ``softcap`` each scaled score ``s``
+    becomes ``softcap * tanh(s / softcap)`` first (Gemma 2), which SDPA cannot do. A
+    row with no key left is NaN, as SDPA's."""
+    # A cap past fp32's range changes no fp32 score (and would be inf * tanh(0) = NaN).
+    if softcap is None or softcap > torch.finfo(torch.float32).max:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor) -> torch.Tensor:
+            mask: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``, mask ``[Lq, Lk]`` bool -> ``[Lq, Hq, D]``.
 
     fp32 math. GQA without repeating K/V: the ``Hq // Hkv`` query heads of a kv head are
@@ -74,10 +89,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     hkv = k.shape[1]
     group = hq // hkv
     qf = q.float().reshape(lq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * lq, d)
-    o = F.scaled_dot_product_attention(
-        qf, k.float().transpose(0, 1), v.float().transpose(0, 1),
-        attn_mask=mask.repeat(group, 1), scale=scale,
-    )  # [Hkv, G * Lq, D]
+    o = softcapped_attention(qf, k.float().transpose(0, 1), v.float().transpose(0, 1),
+                             mask.repeat(group, 1), scale, softcap)  # [Hkv, G * Lq, D]
     return o.reshape(hkv, group, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
 
 
@@ -92,9 +105,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence against its ``seq_lens[b]`` cached keys (the last
-    ``window`` of them with a sliding window: ``check_window``).
+    ``window`` of them with a sliding window: ``check_window``; scores soft-capped at
+    ``softcap``: ``check_softcap``).
 
     q ``[B, Hq, D]``; block_tables ``[B, max_blocks]`` int32; seq_lens ``[B]`` int32; the
     caches in q's dtype or int8 (``[..., D * 9 / 8]``, :mod:`deepinfer_kernels.kv_quant`).
@@ -102,7 +117,7 @@ def paged_decode_attention(
     ``num_splits`` and ``max_seq_len`` only steer the Triton kernel; accepted here so the
     two backends are interchangeable.
     """
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     del num_splits, max_seq_len  # the oracle reads every table column; hints can't hurt it
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
@@ -131,10 +146,8 @@ def paged_decode_attention(
         b, length, hkv, d) for cache in (k_cache, v_cache))
     # GQA: the group's query heads act as the query axis of one SDPA per kv head.
     qf = q.float().reshape(b, hkv, hq // hkv, d)
-    o = F.scaled_dot_product_attention(
-        qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-        scale=scale,
-    )
+    o = softcapped_attention(qf, k.transpose(1, 2), v.transpose(1, 2),
+                             valid[:, None, None, :], scale, softcap)
     o = torch.where((seq_lens > 0)[:, None, None, None], o, 0.0)  # no key: zeros, not NaN
     out.copy_(o.reshape(b, hq, d))
     return out
@@ -151,17 +164,18 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves, all read from cache
     (with a sliding ``window``, each query over its last ``window`` positions, itself
-    included: ``check_window``).
+    included: ``check_window``; scores soft-capped at ``softcap``: ``check_softcap``).
 
     q ``[T, Hq, D]`` packed; query_start_loc ``[B+1]`` int32; seq_lens ``[B]`` int32 is the
     cached prefix plus this step's new tokens; caches as in :func:`paged_decode_attention`.
     Returns ``[T, Hq, D]``.
     """
     del max_query_len
-    window = check_window(window)
+    window, softcap = check_window(window), check_softcap(softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)
@@ -179,7 +193,7 @@ def paged_prefill_attention(
         mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, Lk]
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        out[s:e] = _attend(q[s:e], k, v, scale, mask).to(out.dtype)
+        out[s:e] = _attend(q[s:e], k, v, scale, mask, softcap).to(out.dtype)
     return out
 
 

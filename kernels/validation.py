@@ -102,6 +102,12 @@ def check_optional_int(name: str, value: object, minimum: int) -> int | None:
 NO_WINDOW = 1 << 30
 
 
+def check_softcap(softcap: object) -> float | None:
+    """Attention logit soft-capping (Gemma 2): None (none) or a positive finite number
+    ``c``; each scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax."""
+    return None if softcap is None else check_positive_float("softcap", softcap)
+
+
 def check_window(window: object) -> int | None:
     """A sliding attention window: None (every earlier key) or a Python int >= 1, the
     positions a query sees, itself included (query ``p`` sees keys ``p - window + 1 ..

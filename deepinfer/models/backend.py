@@ -42,11 +42,13 @@ class ModelBackend(Protocol):
                                seq_lens: torch.Tensor, scale: float | None = None,
                                out: torch.Tensor | None = None, num_splits: int | None = None,
                                max_seq_len: int | None = None,
-                               window: int | None = None) -> torch.Tensor:
+                               window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
         """One query per sequence (q ``[B, Hq, D]``) over its ``seq_lens[b]`` cached keys
         (block_tables ``[B, W]`` int32), its last ``window`` of them with a sliding
-        window; returns ``[B, Hq, D]``. ``num_splits`` and ``max_seq_len`` are hints only
-        a kernel may use."""
+        window, each scaled score ``s`` taken as ``softcap * tanh(s / softcap)`` with a
+        soft cap; returns ``[B, Hq, D]``. ``num_splits`` and ``max_seq_len`` are hints
+        only a kernel may use."""
         ...
 
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor,
@@ -54,11 +56,12 @@ class ModelBackend(Protocol):
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                 scale: float | None = None, out: torch.Tensor | None = None,
                                 max_query_len: int | None = None,
-                                window: int | None = None) -> torch.Tensor:
+                                window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
         """Causal attention of packed new tokens (q ``[T, Hq, D]``, query_start_loc
         ``[B+1]`` int32) over the cached prefix and themselves (seq_lens ``[B]`` int32 =
         prefix + new tokens), position ``p`` over keys ``p - window + 1 .. p`` with a
-        sliding window; returns ``[T, Hq, D]``."""
+        sliding window, scores soft-capped as in decode; returns ``[T, Hq, D]``."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -73,7 +73,7 @@ int64_t paged_decode_attention_cpu(
     const int32_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
     int64_t num_kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size,
     int64_t table_width, int64_t table_stride, int32_t cache_kind,
-    int32_t tables_are_int64, int64_t window, int32_t num_threads);
+    int32_t tables_are_int64, int64_t window, float softcap, int32_t num_threads);
 
 enum { M_HIDDEN, M_HQ, M_HKV, M_DIM, M_INTER, M_BF16, M_FINAL_NORM, M_COS_SIN, M_MAX_POS,
        M_INT8_MAX_M, MODEL_FIELDS };
@@ -221,7 +221,7 @@ int64_t decoder_stack_cpu(const int64_t *model, const int64_t *layers, int64_t n
         rc = paged_decode_attention_cpu(qf, k_cache, v_cache, tables, seq_lens, attn_f, t,
                                         hq, hkv, d, num_blocks, block_size, table_width,
                                         table_stride, kv_kind, tables_i64, L[L_WINDOW],
-                                        threads);
+                                        0.0f, threads); /* no soft-capped model runs here */
         if (rc) break;
         for (int64_t e = 0; e < t * qs; e++) store1(attn, e, attn_f[e], bf16);
         rc = projection(attn, t, qs, L + L_O, h, cur, &how);

@@ -22,6 +22,8 @@
  *        vec16.h): [NB, BS, Hkv, D * 9 / 8], each row's codes then its scales, widened
  *        to floats and scaled as they are loaded
  *   out  [heads, D] float32
+ * softcap > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma
+ * 2's logit soft-capping); 0: none.
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,6 +61,54 @@ static inline v16f hsum16(const v16f *x) {
          + SHUF(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
+/* Logit soft-capping, cap * tanh(s / cap), on 16 lanes (cap > 0). tanh(a) for a = |x|:
+ * below 0.625 the odd polynomial a + a^3 P(a^2), P fitted here (weighted least squares,
+ * relative error ~4e-9 on [0, 0.625]); above, 1 - 2 / (e^2a + 1), which cancels little
+ * there (tanh >= 0.55). With fp32 rounding both stay within ~3e-7 of tanh, relative:
+ * libm's tanhf would be a scalar call per score. +-inf give +-cap, NaN stays NaN. */
+static inline v16f softcap16(v16f s, float cap) {
+    const v16f x = s * (1.0f / cap);
+    v16i bits, sign;
+    memcpy(&bits, &x, sizeof bits);
+    sign = bits & INT32_MIN;
+    bits &= INT32_MAX;
+    v16f a;
+    memcpy(&a, &bits, sizeof a);
+    const v16f y = a * a;
+    v16f p = -5.706666969e-03f + (v16f){0};
+    p = p * y + 2.064054646e-02f;
+    p = p * y - 5.374014750e-02f;
+    p = p * y + 1.333144754e-01f;
+    p = p * y - 3.333328068e-01f;
+    const v16f near0 = a + a * y * p;
+    const v16f far = 1.0f - 2.0f / (exp16(a + a) + 1.0f); /* exp16 clamps: finite */
+    v16f t = vsel16(a < 0.625f, near0, far);
+    memcpy(&bits, &t, sizeof bits);
+    bits |= sign;
+    memcpy(&t, &bits, sizeof t);
+    return t * cap;
+}
+
+/* s[0 .. n) soft-capped in place (cap > 0; see softcap16), for every attention kernel.
+ * Never inlined: a call in their loops costs nothing when not taken, where the inline code
+ * slowed some of them down (register pressure) even without a cap. Returns 0. */
+__attribute__((noinline)) int64_t softcap_scores(float *s, int64_t n, float cap) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16f x;
+        memcpy(&x, s + i, sizeof x);
+        x = softcap16(x, cap);
+        memcpy(s + i, &x, sizeof x);
+    }
+    if (i < n) { /* the tail in a zero-padded vector */
+        v16f x = {0};
+        memcpy(&x, s + i, (size_t)(n - i) * sizeof(float));
+        x = softcap16(x, cap);
+        memcpy(s + i, &x, (size_t)(n - i) * sizeof(float));
+    }
+    return 0;
+}
+
 /* Ask for the `bytes` bytes of a cache row at element offset `off` (elements `esize`
  * bytes wide), a cache line at a time. Forced inline: left as a call, the attention loop
  * ran 2x slower. */
@@ -89,11 +139,11 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, in
  * offset in the next block
  * (-1: none), whose rows are requested as this block's are read (blocks are scattered,
  * and requests spread out do not queue up behind each other). qv: the G query rows;
- * acc, m, l: the heads' running output, max and sum, updated. */
+ * acc, m, l: the heads' running output, max and sum, updated; cap > 0: soft-capping. */
 static inline __attribute__((always_inline)) void attend_block(
     const v16f *restrict qv, const void *k_cache, const void *v_cache, int is_bf16,
     const int I8, int64_t n, int64_t base, int64_t next, int64_t row, const int G,
-    const int C, v16f *restrict acc_out, float *restrict m, float *restrict l) {
+    const int C, float cap, v16f *restrict acc_out, float *restrict m, float *restrict l) {
     const int64_t d = C * 16, esize = I8 ? 1 : is_bf16 ? 2 : 4;
     const int64_t row_bytes = I8 ? kv_int8_row(d) : d * esize;
     v16f acc[G][C];
@@ -119,8 +169,15 @@ static inline __attribute__((always_inline)) void attend_block(
         float p[G][TOKENS] __attribute__((aligned(64)));
         const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         const v16i live = lane < (int32_t)nt;
+        /* All the heads' scores before any softmax, capped by a call marked unlikely (a
+         * branch per 16 tokens; registers spilled only when taken): so the loops without
+         * a cap run as before it. Inline, the cap's code slowed them by up to 6% (64 wide,
+         * one head a group). Dead lanes: 0, capped to 0, masked next. */
+        v16f sc[G];
+        for (int g = 0; g < G; ++g) sc[g] = hsum16(dots[g]);
+        if (__builtin_expect(cap > 0, 0)) softcap_scores((float *)sc, G * TOKENS, cap);
         for (int g = 0; g < G; ++g) {
-            v16f s = vsel16(live, hsum16(dots[g]), (v16f){0} - INFINITY);
+            const v16f s = vsel16(live, sc[g], (v16f){0} - INFINITY);
             float bmax = s[0];
             for (int k = 1; k < TOKENS; ++k) bmax = s[k] > bmax ? s[k] : bmax;
             const float mnew = m[g] > bmax ? m[g] : bmax;
@@ -153,7 +210,7 @@ static inline __attribute__((always_inline)) void attend_block(
 static inline __attribute__((always_inline)) void attend_seq16(
     const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,
     const int I8, const int64_t *blocks, int64_t lo, int64_t len, int64_t block_size,
-    int64_t row, int64_t hs, int64_t h0, int64_t nh, const int G, const int C,
+    int64_t row, int64_t hs, int64_t h0, int64_t nh, const int G, const int C, float cap,
     float *restrict out) {
     const int64_t d = C * 16, heads = nh * G;
     v16f qv[heads * C], acc[heads * C];
@@ -177,8 +234,8 @@ static inline __attribute__((always_inline)) void attend_seq16(
         for (int64_t h = 0; h < nh; ++h) {
             const int64_t off = (h0 + h) * hs;
             attend_block(qv + h * G * C, k_cache, v_cache, is_bf16, I8, n, base + off,
-                         next < 0 ? -1 : next + off, row, G, C, acc + h * G * C, m + h * G,
-                         l + h * G);
+                         next < 0 ? -1 : next + off, row, G, C, cap, acc + h * G * C,
+                         m + h * G, l + h * G);
         }
     }
     for (int64_t i = 0; i < heads; ++i) {
@@ -198,18 +255,19 @@ int paged_decode_wide_takes(int64_t group, int64_t dim) {
 
 /* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
  * head dim `dim`), cache element `kind` (vec16.h), over its keys lo .. len - 1 (lo > 0:
- * a sliding window): q and out hold those heads' rows.
- * Returns 0, or 1 for a shape this kernel does not take (nothing written). */
+ * a sliding window), scores soft-capped at softcap (> 0; 0: none): q and out hold those
+ * heads' rows. Returns 0, or 1 for a shape this kernel does not take (nothing written). */
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
                               int kind, const int64_t *blocks, int64_t lo, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
-                              int64_t nh, int64_t group, int64_t dim, float *out) {
+                              int64_t nh, int64_t group, int64_t dim, float softcap,
+                              float *out) {
     if (!paged_decode_wide_takes(group, dim)) return 1;
     const int i8 = kind == KV_INT8, is_bf16 = kind == KV_BF16;
     const int64_t hs = i8 ? kv_int8_row(dim) : dim, row = num_kv_heads * hs;
 #define HEAD(I8, G, C)                                                                   \
     attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, lo, len, block_size, row, hs, \
-                 h0, nh, G, C, out);                                                     \
+                 h0, nh, G, C, softcap, out);                                            \
     return 0
 #define GROUPS(I8, C)                                              \
     switch (group) {                                               \

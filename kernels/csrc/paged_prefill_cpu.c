@@ -21,6 +21,8 @@
  *   tables   [B, W] int32 or int64 (tables_i64), rows table_stride apart
  *   starts   [B + 1] int32 (query_start_loc), lens [B] int32 (prefix + new tokens)
  *   window   > 0: a sliding window, query position p sees keys p - window + 1 .. p
+ *   softcap  > 0: each scaled score s becomes softcap * tanh(s / softcap) before the
+ *            softmax (Gemma 2's logit soft-capping); 0: none
  * Returns 0; 1 for a shape it does not take (D not a multiple of 16 or above MAX_D, Hq
  * not a multiple of Hkv, more than MAX_G heads a group); NO_MEMORY; 16 + 2b when sequence
  * b's table is too short for its length or names a block outside the cache, 17 + 2b when
@@ -40,6 +42,9 @@
 #define RB 4      /* rows a pass over a tile: each K column and V row loaded once for them */
 #define NO_MEMORY 4
 
+/* n scores soft-capped in place (cap > 0), vectorised (paged_decode_wide_cpu.c). */
+int64_t softcap_scores(float *s, int64_t n, float cap);
+
 static inline int64_t table_at(const void *tables, int i64, int64_t at) {
     return i64 ? ((const int64_t *)tables)[at] : ((const int32_t *)tables)[at];
 }
@@ -49,7 +54,7 @@ typedef struct {
     void *out;
     const int32_t *starts, *lens;
     int64_t hq, hkv, d, block_size, table_stride, window;
-    float scale;
+    float scale, softcap;
     int q_bf16, cache_kind, tables_i64;
 } prefill_args;
 
@@ -89,10 +94,10 @@ static int costlier_first(const void *x, const void *y) {
  * keys from t0 (K transposed in s->kt, V in s->v): scores, online softmax, weighted V
  * rows. RB rows at a time share each load of a K column and a V row. A row sees keys
  * pos - W + 1 .. pos (W: the window, or more than any position); each row given sees
- * at least one key of the tile. */
+ * at least one key of the tile. cap > 0: scores soft-capped. */
 static inline __attribute__((always_inline)) void attend_rows(
     scratch *s, int64_t r, int64_t n, int64_t first, int64_t G, int64_t t0, int64_t nk,
-    int64_t d, int64_t W) {
+    int64_t d, int64_t W, float cap) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16f sc[RB];
     for (int j = 0; j < RB; j++) sc[j] = (v16f){0};
@@ -100,6 +105,12 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t c = 0; c < d; c++) {
         const v16f kc = *(const v16f *)(s->kt + c * KT);
         for (int j = 0; j < RB; j++) sc[j] += q[j * d + c] * kc; /* padded rows: zeros */
+    }
+    if (__builtin_expect(cap > 0, 0)) { /* before the masks: their -inf is set after */
+        float t[RB * KT] __attribute__((aligned(64)));
+        memcpy(t, sc, sizeof t);
+        softcap_scores(t, RB * KT, cap);
+        memcpy(sc, t, sizeof t);
     }
     float e[RB][KT] __attribute__((aligned(64))), corr[RB];
     for (int j = 0; j < RB; j++) {
@@ -199,7 +210,7 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
         int64_t to = (t0 + nk - 1 + W - first) * G;
         if (to > rows) to = rows;
         for (int64_t r = from; r < to; r += RB)
-            attend_rows(s, r, to - r < RB ? to - r : RB, first, G, t0, nk, d, W);
+            attend_rows(s, r, to - r < RB ? to - r : RB, first, G, t0, nk, d, W, a->softcap);
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t i = r / G, g = r % G;
@@ -216,7 +227,8 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
                                     int64_t table_stride, const int32_t *starts,
                                     const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv,
                                     int64_t d, int64_t num_blocks, int64_t block_size,
-                                    float scale, void *out, int64_t window, int32_t threads) {
+                                    float scale, void *out, int64_t window, float softcap,
+                                    int32_t threads) {
     if (d <= 0 || d % 16 || d > MAX_D || hkv <= 0 || hq % hkv || hq / hkv > MAX_G ||
         block_size <= 0 || cache_kind < KV_F32 || cache_kind > KV_INT8 ||
         (cache_kind == KV_INT8 && d % KV_GROUP))
@@ -251,8 +263,8 @@ int64_t paged_prefill_attention_cpu(const void *q, int32_t q_bf16, const void *k
     }
     qsort(work, (size_t)items, sizeof(item), costlier_first);
     const prefill_args a = {q, k_cache, v_cache, tables, out, starts, lens, hq, hkv, d,
-                            block_size, table_stride, window, scale, q_bf16, cache_kind,
-                            tables_i64};
+                            block_size, table_stride, window, scale, softcap, q_bf16,
+                            cache_kind, tables_i64};
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {

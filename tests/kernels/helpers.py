@@ -87,3 +87,25 @@ def seed_for(*parts: object) -> int:
     import zlib
 
     return zlib.crc32(repr(parts).encode())
+
+
+def cpu_paged_kv(lens, bs: int, hkv: int, d: int, dtype: torch.dtype, g: torch.Generator,
+                 int8: bool = False):
+    """:func:`make_paged_kv` on the host, its caches int8 (``kv_quant``) with ``int8``."""
+    from deepinfer_kernels.kv_quant import quantize_kv
+
+    kv = make_paged_kv(lens, bs, hkv, d, dtype, g)
+    kv.k_cache, kv.v_cache = kv.k_cache.cpu(), kv.v_cache.cpu()
+    if int8:
+        kv.k_cache, kv.v_cache = quantize_kv(kv.k_cache), quantize_kv(kv.v_cache)
+    kv.block_tables, kv.seq_lens = kv.block_tables.cpu(), kv.seq_lens.cpu()
+    return kv
+
+
+def cache_rows(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """A sequence's first ``n`` K or V rows ``[n, Hkv, D]`` in fp32, read slot by slot."""
+    from deepinfer_kernels.kv_quant import kv_values
+
+    bs = cache.shape[1]
+    pos = torch.arange(n)
+    return kv_values(cache[table[pos // bs].long(), pos % bs]).float()

@@ -17,27 +17,20 @@ import torch
 
 import deepinfer_kernels
 from deepinfer_kernels import cpu_backend, cpu_native, cpu_prefill, reference
-from deepinfer_kernels.kv_quant import kv_values, quantize_kv
-from tests.kernels.helpers import DEVICE, assert_close, generator, make_paged_kv, randn, seed_for
+from deepinfer_kernels.kv_quant import quantize_kv
+from tests.kernels.helpers import (
+    DEVICE,
+    assert_close,
+    cache_rows,
+    cpu_paged_kv,
+    generator,
+    make_paged_kv,
+    randn,
+    seed_for,
+)
 
 F32, BF16 = torch.float32, torch.bfloat16
 WINDOWS = [1, 5, 16, 37, 1000]
-
-
-def _cpu_kv(lens, bs, hkv, d, dtype, g, int8=False):
-    kv = make_paged_kv(lens, bs, hkv, d, dtype, g)
-    kv.k_cache, kv.v_cache = kv.k_cache.cpu(), kv.v_cache.cpu()
-    if int8:
-        kv.k_cache, kv.v_cache = quantize_kv(kv.k_cache), quantize_kv(kv.v_cache)
-    kv.block_tables, kv.seq_lens = kv.block_tables.cpu(), kv.seq_lens.cpu()
-    return kv
-
-
-def _rows(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """A sequence's first ``n`` K or V rows ``[n, Hkv, D]`` in fp32, read slot by slot."""
-    bs = cache.shape[1]
-    pos = torch.arange(n)
-    return kv_values(cache[table[pos // bs].long(), pos % bs]).float()
 
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, window: int,
@@ -74,21 +67,21 @@ def test_reference_sees_the_last_window_keys(window):
     hq, hkv, d, bs = 4, 2, 16, 4
     q_lens, prefix = [5, 9, 1], [0, 11, 20]
     lens = [a + b for a, b in zip(q_lens, prefix)]
-    kv = _cpu_kv(lens, bs, hkv, d, F32, g)
+    kv = cpu_paged_kv(lens, bs, hkv, d, F32, g)
     starts = torch.tensor([0] + q_lens).cumsum(0).int()
     q = randn((int(starts[-1]), hq, d), F32, g).cpu()
     got = _prefill(reference.paged_prefill_attention, q, kv, starts, window)
     for b, n in enumerate(lens):
-        k = _rows(kv.k_cache, kv.block_tables[b], n)
-        v = _rows(kv.v_cache, kv.block_tables[b], n)
+        k = cache_rows(kv.k_cache, kv.block_tables[b], n)
+        v = cache_rows(kv.v_cache, kv.block_tables[b], n)
         for i in range(q_lens[b]):
             want = _naive(q[starts[b] + i], k, v, prefix[b] + i, window, d**-0.5)
             torch.testing.assert_close(got[starts[b] + i].double(), want, atol=1e-5, rtol=0)
     qd = torch.randn((3, hq, d), generator=generator(1))
     dec = _decode(reference.paged_decode_attention, qd, kv, window)
     for b, n in enumerate(lens):
-        k = _rows(kv.k_cache, kv.block_tables[b], n)
-        v = _rows(kv.v_cache, kv.block_tables[b], n)
+        k = cache_rows(kv.k_cache, kv.block_tables[b], n)
+        v = cache_rows(kv.v_cache, kv.block_tables[b], n)
         torch.testing.assert_close(dec[b].double(), _naive(qd[b], k, v, n - 1, window,
                                                            d**-0.5), atol=1e-5, rtol=0)
 
@@ -109,7 +102,7 @@ def test_c_decode_matches_reference(d, hq, hkv, kind, window):
     g = generator(seed_for("window-c-decode", d, hq, hkv, kind, window))
     dtype = BF16 if kind == "bf16" else F32
     lens = [300, 1, 21, 32, 37, 0, 16]
-    kv = _cpu_kv(lens, 16, hkv, d, dtype, g, int8=kind == "int8")
+    kv = cpu_paged_kv(lens, 16, hkv, d, dtype, g, int8=kind == "int8")
     q = randn((len(lens), hq, d), dtype, g).cpu()
     assert cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     got = _decode(cpu_backend.paged_decode_attention, q, kv, window)
@@ -129,7 +122,7 @@ def test_c_prefill_matches_reference(d, hq, hkv, kind, window):
     dtype = BF16 if kind == "bf16" else F32
     q_lens, prefix = [40, 1, 17, 3], [0, 50, 9, 70]
     lens = [a + b for a, b in zip(q_lens, prefix)]
-    kv = _cpu_kv(lens, 16, hkv, d, dtype, g, int8=kind == "int8")
+    kv = cpu_paged_kv(lens, 16, hkv, d, dtype, g, int8=kind == "int8")
     starts = torch.tensor([0] + q_lens).cumsum(0).int()
     q = randn((int(starts[-1]), hq, d), dtype, g).cpu()
     assert cpu_prefill.can_prefill(q, kv.k_cache, kv.v_cache, kv.block_tables)
@@ -140,7 +133,7 @@ def test_c_prefill_matches_reference(d, hq, hkv, kind, window):
 
 def test_a_bad_window_is_named():
     g = generator(seed_for("window-bad"))
-    kv = _cpu_kv([5], 4, 1, 16, F32, g)
+    kv = cpu_paged_kv([5], 4, 1, 16, F32, g)
     q = randn((1, 2, 16), F32, g).cpu()
     for bad in (0, -3, 2.0, True):
         with pytest.raises(ValueError, match="window"):

@@ -46,8 +46,10 @@ class Case:
     """One op call the engine makes, on one target.
 
     op: ``decode`` (unsplit: a large batch already fills the GPU), ``decode_split`` (one
-    long sequence: split-KV + merge), ``prefill``, ``store_kv`` (variant ``t1``: one token,
-    ``batch``: a decode batch), ``clone_blocks``, ``zero_states``, ``clone_states``;
+    long sequence: split-KV + merge), ``prefill`` (each with variant ``kv8``: an int8
+    cache, or ``cap``: Gemma 2's soft-capped scores, the kernels' ``SOFTCAP`` build),
+    ``store_kv`` (variant ``t1``: one token, ``batch``: a decode batch),
+    ``clone_blocks``, ``zero_states``, ``clone_states``;
     mixture of experts (variant ``<model>-m<tokens>``, model a key of ``MOE_SHAPES``):
     ``moe_gemm`` (the layer's two grouped GEMMs: gate+up with SiLU-and-mul, down),
     ``moe_align`` (its three alignment kernels), ``moe_route``; ``moe_gguf`` (the two
@@ -192,6 +194,9 @@ def full_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         # The int8 cache: each attention op and head_dim in both 16-bit dtypes and fp32.
         for op, d, dt in itertools.product(_ATTN_OPS, (64, 128, 256), DTYPES):
             cases.append(Case(op, arch, dt, d, 4, 16, "kv8"))
+        # Soft-capped scores (the SOFTCAP build): Gemma 2's GQA 2, each head_dim and dtype.
+        for op, d, dt in itertools.product(_ATTN_OPS, (64, 128, 256), DTYPES):
+            cases.append(Case(op, arch, dt, d, 2, 16, "cap"))
         for d, bs, dt, variant in itertools.product((64, 128, 256), (16, 32), DTYPES,
                                                     ("t1", "batch", "kv8")):
             cases.append(Case("store_kv", arch, dt, d, 1, bs, variant))
@@ -294,6 +299,9 @@ def quick_cases(archs: Iterable[str] = ARCHS) -> list[Case]:
         cases.append(Case("decode", arch, "bf16", 128, 4, 16, "kv8"))
         cases.append(Case("decode_split", arch, "fp16", 64, 8, 32, "kv8"))
         cases.append(Case("prefill", arch, "bf16", 128, 4, 16, "kv8"))
+        # Soft-capped scores at Gemma 2's head_dim 256 (the tightest 16-bit tiles).
+        cases.append(Case("prefill", arch, "bf16", 256, 2, 16, "cap"))
+        cases.append(Case("decode_split", arch, "bf16", 256, 2, 16, "cap"))
         cases.append(Case("clone_blocks", arch, "bf16", 128, 1, 16, "int64"))
         cases.append(Case("zero_states", arch, "fp32", 128, 1, 16, "int64"))
         # MoE: the decode GEMM tile (BLOCK_M 16) and the prefill one (128, 8 warps) on each
@@ -360,6 +368,7 @@ def plan(case: Case) -> list[Launch]:
     scale = d**-0.5
     i32 = torch.int32
     kv8 = case.variant == "kv8"
+    softcap = 50.0 if case.variant == "cap" else None  # Gemma 2's attention cap
     row, cache_dtype = (kv_row_width(d, "int8"), torch.int8) if kv8 else (d, dtype)
 
     if case.op in ("decode", "decode_split"):
@@ -370,7 +379,7 @@ def plan(case: Case) -> list[Launch]:
         q = _meta(batch, hq, d, dtype=dtype)
         launches = decode_launches(
             q, cache, cache, _meta(batch, context // bs, dtype=i32), _meta(batch, dtype=i32),
-            torch.empty_like(q), scale, None, context, target)
+            torch.empty_like(q), scale, None, context, target, softcap=softcap)
         want_split = case.op == "decode_split"
         if (len(launches) > 1) != want_split:
             raise AssertionError(f"{case.id}: the split heuristic chose {len(launches)} "
@@ -383,7 +392,8 @@ def plan(case: Case) -> list[Launch]:
         q = _meta(seqs * new, hq, d, dtype=dtype)
         launches = prefill_launches(
             q, cache, cache, _meta(seqs, context // bs, dtype=i32), _meta(seqs + 1, dtype=i32),
-            _meta(seqs, dtype=i32), torch.empty_like(q), scale, new, target)
+            _meta(seqs, dtype=i32), torch.empty_like(q), scale, new, target,
+            softcap=softcap)
         if case.variant == "canary":
             # The fp32 d=64 tile used before the per-target table: 560 B stack on sm_90.
             (launch,) = launches

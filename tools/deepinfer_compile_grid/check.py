@@ -138,8 +138,8 @@ def parse_res_usage(text: str) -> dict[str, int]:
 def _config_str(launch: Launch) -> str:
     keep = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUPS", "GROUP_M", "BLOCK_T", "BLOCK_HD", "BLOCK",
             "GROUP_PAD", "S_PAD", "CHUNK", "E_PAD", "GATED", "BLOCK_H", "HAS_RESIDUAL",
-            "BLOCK_I", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "HAS_NORM", "num_warps",
-            "num_stages")
+            "BLOCK_I", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "HAS_NORM", "SOFTCAP",
+            "num_warps", "num_stages")
     short = {"num_warps": "w", "num_stages": "s"}
     return " ".join(f"{short.get(k, k)}={launch.kwargs[k]}" for k in keep if k in launch.kwargs)
 
