@@ -12,14 +12,22 @@ from typing import Any
 
 import torch
 
-from deepinfer.gemma_config import GEMMA3, gemma3_fields
+from deepinfer.gemma_config import (
+    GEMMA2,
+    GEMMA3,
+    GEMMA_ARCHITECTURES,
+    gemma2_fields,
+    gemma3_fields,
+)
+from deepinfer.phi3_config import phi3_partial_rotary, phi3_rope
 from deepinfer.smollm3_config import SMOLLM3, smollm3_fields
 
 #: HF ``architectures`` names the engine can run (all share one decoder implementation).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
-    "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
+    "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
 )
 
 #: Base-model architectures (the decoder without its language-model head, as embedding
@@ -51,8 +59,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
     "smollm3": SMOLLM3,
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when
@@ -86,6 +96,8 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                num_experts_per_tok=2),
     "OlmoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
                              eos_token_id=50279, num_experts=64, num_experts_per_tok=8),
+    "Olmo2ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                             eos_token_id=50279),
     "Qwen2MoeForCausalLM": dict(_QWEN, num_key_value_heads=16, max_window_layers=28,
                                 num_experts=60, num_experts_per_tok=4,
                                 moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
@@ -93,7 +105,10 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
     "Phi3ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
                             bos_token_id=1, eos_token_id=32000),
-    # Gemma3TextConfig's; its RoPE and layer keys: deepinfer.gemma_config.
+    # Gemma2Config's and Gemma3TextConfig's; their other keys: deepinfer.gemma_config.
+    GEMMA2: dict(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                 num_key_value_heads=4, head_dim=256, sliding_window=4096, bos_token_id=2,
+                 eos_token_id=1),
     "Gemma3ForCausalLM": dict(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
                               num_key_value_heads=4, head_dim=256, sliding_window=4096,
                               bos_token_id=2, eos_token_id=1),
@@ -101,9 +116,6 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     SMOLLM3: dict(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
                   num_key_value_heads=4, bos_token_id=128000, eos_token_id=128001),
 }
-
-#: Phi3Config's pre-training context, its default ``original_max_position_embeddings``.
-PHI3_ORIGINAL_POSITIONS = 4096
 
 #: Granite's four scalars (a Llama otherwise) and their defaults in its config class:
 #: the embeddings times ``embedding_multiplier``, each block's output times
@@ -118,7 +130,7 @@ GRANITE_MULTIPLIERS: dict[str, float] = dict(embedding_multiplier=1.0, residual_
 _NULL_FALLBACK: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                             "OlmoeForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
-                            SMOLLM3),
+                            SMOLLM3, "Olmo2ForCausalLM"),
     "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
 }
 
@@ -148,7 +160,7 @@ def hf_config_fields(cfg: dict[str, Any],
     if arch in ("LlamaForCausalLM", "GraniteForCausalLM", SMOLLM3) and cfg.get("mlp_bias"):
         raise ValueError(f"{arch}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
-    if arch != GEMMA3 and act not in SUPPORTED_ACTIVATIONS:  # Gemma's: gemma3_fields
+    if arch not in GEMMA_ARCHITECTURES and act not in SUPPORTED_ACTIVATIONS:  # Gemma's own
         raise ValueError(f"{arch}: hidden_act={act!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     defaults = HF_DEFAULTS[arch]
@@ -157,7 +169,7 @@ def hf_config_fields(cfg: dict[str, Any],
     max_positions = int(_get(cfg, "max_position_embeddings", defaults))
     theta, scaling = _hf_rope(cfg, defaults["rope_theta"], max_positions)
     if arch == "Phi3ForCausalLM":
-        scaling = _phi3_rope(cfg, scaling, max_positions)
+        scaling = phi3_rope(cfg, scaling, max_positions)
     elif scaling is not None and scaling["rope_type"] == "longrope":
         raise ValueError(f"{arch}: rope scaling type 'longrope' is not supported for this "
                          "architecture (Phi3ForCausalLM only)")
@@ -194,11 +206,16 @@ def hf_config_fields(cfg: dict[str, Any],
         generation_defaults=generation_sampling_keys(gen),
         **_hf_moe(arch, cfg),
         **_hf_multipliers(arch, cfg),
-        **({"partial_rotary_factor": _phi3_partial_rotary(cfg)}
+        **({"partial_rotary_factor": phi3_partial_rotary(cfg)}
            if arch == "Phi3ForCausalLM" else {}),
+        # OLMo 2: q/k norms over the whole projection, norms after attention and MLP only
+        **({"qk_norm_full_width": True, "post_norms": True}
+           if arch == "Olmo2ForCausalLM" else {}),
     )
     if arch == GEMMA3:
         fields.update(gemma3_fields(cfg, hidden, fields["num_layers"]))
+    elif arch == GEMMA2:
+        fields.update(gemma2_fields(cfg, hidden, fields["num_layers"]))
     elif arch == SMOLLM3:
         fields.update(smollm3_fields(cfg, fields["num_layers"]))
     return fields
@@ -261,7 +278,8 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     whatever the key says); the Qwen families only with ``use_sliding_window``, and Qwen2,
     Qwen3 and Qwen2-MoE only on the layers ``layer_types`` marks, by default from
     ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
-    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "GraniteForCausalLM", SMOLLM3) or (
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "Olmo2ForCausalLM",
+                "GraniteForCausalLM", SMOLLM3) or (
             arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
         return {}
     window = cfg.get("sliding_window", HF_DEFAULTS[arch].get("sliding_window"))
@@ -280,41 +298,6 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         if not layers:
             return {}
     return {"sliding_window": _count(arch, "sliding_window", window), "sliding_layers": layers}
-
-
-def _phi3_rope(cfg: dict[str, Any], scaling: dict[str, Any] | None,
-               max_positions: int) -> dict[str, Any] | None:
-    """Phi-3's RoPE scaling as Phi3Config reads it: ``su`` and ``yarn`` are old names of
-    ``longrope``, whose ``original_max_position_embeddings`` is the top-level key (class
-    default 4096) unless the parameters give one, and whose ``factor`` defaults to
-    ``max_position_embeddings`` over it (what sizes the attention factor)."""
-    if scaling is None:
-        return None
-    scaling = dict(scaling)
-    if scaling["rope_type"] in ("su", "yarn"):
-        scaling["rope_type"] = "longrope"
-    if scaling["rope_type"] == "longrope":
-        orig = scaling.get("original_max_position_embeddings") or cfg.get(
-            "original_max_position_embeddings") or PHI3_ORIGINAL_POSITIONS
-        scaling["original_max_position_embeddings"] = orig
-        if scaling.get("factor") is None and isinstance(orig, int) and orig > 0:
-            scaling["factor"] = max_positions / orig
-    scaling.pop("partial_rotary_factor", None)
-    return scaling
-
-
-def _phi3_partial_rotary(cfg: dict[str, Any]) -> float:
-    """The share of each head RoPE rotates: ``partial_rotary_factor`` of the RoPE
-    parameters or the top level (Phi-4-mini: 0.75), else 1."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
-    if value is None:
-        value = cfg.get("partial_rotary_factor")
-    value = 1.0 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"Phi3ForCausalLM: partial_rotary_factor={value!r} must be a "
-                         "number in (0, 1]")
-    return float(value)
 
 
 def _hf_multipliers(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -384,9 +367,11 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "olmoe": "OlmoeForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "granite": "GraniteForCausalLM",
         "phi3": "Phi3ForCausalLM",
+        "gemma2": GEMMA2,
         "gemma3_text": GEMMA3,
         "smollm3": SMOLLM3,
     }.get(model_type or "", model_type)

@@ -9,7 +9,7 @@ Two layout facts matter:
   models (each head's two rotary halves interleaved, for its GPT-J-style RoPE). The model
   uses HF's rotate-half layout, so that permutation is undone here (Mixtral is a llama
   file with experts; Granite's and SmolLM3's converters are the llama one). Qwen2/Qwen3
-  (and their MoE), OLMoE and Gemma 3 files are written unpermuted.
+  (and their MoE), OLMoE, OLMo 2 and Gemma 2/3 files are written unpermuted.
 
 Mixture-of-experts files hold each layer's experts stacked, ``ffn_{gate,up}_exps``
 ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]`` (older Mixtral files: one
@@ -65,14 +65,18 @@ _LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
 }
 #: Where an architecture's files name a layer's tensors otherwise: Phi-3 stores gate and
-#: up as one ``ffn_up`` tensor (gate rows first); Gemma 3 has a norm before and after both
-#: the attention and the MLP, ``ffn_norm`` the one before the MLP.
+#: up as one ``ffn_up`` tensor (gate rows first); Gemma 2 and 3 have a norm before and
+#: after both the attention and the MLP, ``ffn_norm`` the one before the MLP; OLMo 2 the
+#: ones after only.
 _ARCH_LAYER_NAMES = {
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
     "gemma3": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
+_ARCH_LAYER_NAMES["gemma2"] = _ARCH_LAYER_NAMES["gemma3"]
+_ARCH_LAYER_NAMES["olmo2"] = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                              "post_ffw_norm": "post_feedforward_layernorm"}
 #: Tensors folded into the config: Llama 3.1's frequency divisors, Phi-3's LongRoPE factors.
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 #: Stacked expert tensors ``[E, ...]`` -> the per-expert projection of each slice.

@@ -48,13 +48,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float | None = None, window: int | None = None) -> None:
+                 scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window  # sliding window: positions a query sees (None: all)
+        self.softcap = softcap  # Gemma 2: scores s taken as softcap * tanh(s / softcap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,9 +71,10 @@ class Attention(nn.Module):
             return backend.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                 meta.seq_lens, scale=self.scale, max_query_len=meta.max_query_len,
-                window=self.window,
+                window=self.window, softcap=self.softcap,
             )
         return backend.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             scale=self.scale, max_seq_len=meta.max_seq_len, window=self.window,
+            softcap=self.softcap,
         )

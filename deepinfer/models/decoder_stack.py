@@ -47,6 +47,7 @@ def _blocks(layer: nn.Module) -> Projection | None:
 def _layer_weights(block: nn.Module, eps: float) -> DecoderLayerWeights | None:
     attn, mlp = block.self_attn, block.mlp
     if (not isinstance(mlp, GatedMLP) or mlp.act != "silu" or block.sandwich
+            or block.post_norms
             or attn.full_width_norm or attn.clip_qkv is not None):
         return None
     norms = [block.input_layernorm, block.post_attention_layernorm]

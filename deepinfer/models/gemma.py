@@ -1,7 +1,9 @@
-"""Gemma 3's decoder layer (``ModelConfig.sandwich_norms``): a norm before and after each
-of the attention and the MLP, the outputs added to the residual stream after their
-post-norm, and its RMSNorm weights folded from offsets (``1 + w``, as stored) into plain
-weights at load, so every norm runs the backends' usual RMSNorm kernels.
+"""Decoder layers with norms after the attention and the MLP. Gemma 2's and 3's
+(``ModelConfig.sandwich_norms``): a norm before and after each of the attention and the
+MLP, the outputs added to the residual stream after their post-norm, and its RMSNorm
+weights folded from offsets (``1 + w``, as stored) into plain weights at load, so every
+norm runs the backends' usual RMSNorm kernels. OLMo 2's (``ModelConfig.post_norms``):
+the norms after only.
 
 The residual stream is carried beside the block output as in
 :class:`~deepinfer.models.llama.LlamaDecoderLayer`, so the adds fuse into the norms after
@@ -18,14 +20,20 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.layers import RMSNorm, add_norm
 
-__all__ = ["add_sandwich_norms", "fold_norm_offsets", "sandwich_forward"]
+__all__ = ["add_sandwich_norms", "fold_norm_offsets", "norms_after_forward",
+           "post_norm_forward", "sandwich_forward"]
 
 
 def add_sandwich_norms(layer: nn.Module, cfg: ModelConfig) -> None:
-    """Give a decoder layer Gemma's two MLP norms (its ``post_attention_layernorm`` then
-    normalizes the attention output, as Gemma's checkpoints name it)."""
-    layer.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    layer.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    """Give a decoder layer Gemma's two MLP norms, or OLMo 2's one and no input norm
+    (their ``post_attention_layernorm`` then normalizes the attention output, as their
+    checkpoints name it); nothing for the other architectures."""
+    if cfg.sandwich_norms:
+        layer.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    if cfg.sandwich_norms or cfg.post_norms:
+        layer.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    if cfg.post_norms:
+        del layer.input_layernorm
 
 
 def sandwich_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
@@ -45,6 +53,31 @@ def sandwich_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
     out = layer.mlp(h, backend)
     norm = layer.post_feedforward_layernorm
     return backend.rms_norm(out, norm.weight, norm.eps), residual
+
+
+def post_norm_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
+                      x: torch.Tensor, residual: torch.Tensor | None,
+                      layer_cache: torch.Tensor, meta: AttentionMetadata,
+                      backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """One OLMo 2 block: the stream ``s`` (x plus the residual, x alone for the first
+    layer) goes unnormalized into the attention, ``s + norm(attn(s))`` into the MLP.
+    Returns ``(post-normed MLP output, stream)`` as :func:`sandwich_forward`."""
+    s = x if residual is None else x + residual
+    a = layer.self_attn(rope, s, layer_cache, meta, backend)
+    norm = layer.post_attention_layernorm
+    s = s + backend.rms_norm(a, norm.weight, norm.eps)
+    norm = layer.post_feedforward_layernorm
+    return backend.rms_norm(layer.mlp(s, backend), norm.weight, norm.eps), s
+
+
+def norms_after_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
+                        x: torch.Tensor, residual: torch.Tensor | None,
+                        layer_cache: torch.Tensor, meta: AttentionMetadata,
+                        backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block of a layer with norms after: :func:`sandwich_forward` where it has
+    ``sandwich`` set, else :func:`post_norm_forward`."""
+    block = sandwich_forward if layer.sandwich else post_norm_forward
+    return block(layer, rope, x, residual, layer_cache, meta, backend)
 
 
 @torch.no_grad()

@@ -1,15 +1,13 @@
-"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Granite and the MoE Qwen3-MoE,
-Mixtral, OLMoE and Qwen2-MoE.
+"""One decoder for every supported architecture (``hf_config.SUPPORTED_ARCHITECTURES``).
 
 Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
 attention goes through the paged KV cache via a pluggable kernel backend. The variants
 differ only in switches read from :class:`~deepinfer.config.ModelConfig`: attention
 biases (q/k/v on Qwen2 and Qwen2-MoE; q/k/v and o_proj with ``attention_bias`` on Llama,
-Qwen3, Qwen3-MoE and OLMoE), per-head q/k RMSNorm before RoPE (Qwen3, Qwen3-MoE) or over
-the whole projection (OLMoE, with optional qkv clipping), RoPE scaling, tied embeddings,
-Granite's embedding / residual / attention / logits scalars, and which layers have a
-sparse MoE block (:mod:`deepinfer.models.moe`) instead of the
-dense MLP.
+Qwen3, Qwen3-MoE and OLMoE), per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3) or over
+the whole projection (OLMoE, with optional qkv clipping), RoPE scaling and its layers,
+tied embeddings, Granite's and Gemma's scalars, Gemma's block (:mod:`.gemma`), and which
+layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the dense MLP.
 
 Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
 weight loading only has to handle the fused projections.
@@ -24,11 +22,11 @@ import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
-from deepinfer.gemma_config import GEMMA3
+from deepinfer.gemma_config import GEMMA_ARCHITECTURES
+from deepinfer.models import gemma
 from deepinfer.models.attention import Attention, AttentionMetadata
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.decoder_stack import DecoderStackBinding
-from deepinfer.models.gemma import add_sandwich_norms, fold_norm_offsets, sandwich_forward
 from deepinfer.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, add_norm
 from deepinfer.models.moe import (
     SparseMoeBlock,
@@ -80,7 +78,8 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
-                              scale=cfg.attention_multiplier, window=cfg.layer_window(layer))
+                              scale=cfg.attention_multiplier, window=cfg.layer_window(layer),
+                              softcap=cfg.attn_logit_softcapping)
         self.rope = layer not in cfg.nope_layers  # SmolLM3's NoPE layers rotate nothing
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -130,9 +129,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 elsewhere
-        self.sandwich = cfg.sandwich_norms  # Gemma 3's block (deepinfer.models.gemma)
-        if self.sandwich:
-            add_sandwich_norms(self, cfg)
+        # Gemma's block, and OLMo 2's (norms after only): deepinfer.models.gemma
+        self.sandwich, self.post_norms = cfg.sandwich_norms, cfg.post_norms
+        gemma.add_sandwich_norms(self, cfg)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None, layer_cache: torch.Tensor,
@@ -142,8 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         layer, with ``residual`` None), residual ``[T, hidden]``: the stream before it.
         Returns ``(mlp output, residual)``; the stream after this layer is their sum
         (each block's output scaled by ``residual_multiplier`` first, where not 1)."""
-        if self.sandwich:
-            return sandwich_forward(self, rope, x, residual, layer_cache, meta, backend)
+        if self.sandwich or self.post_norms:
+            return gemma.norms_after_forward(self, rope, x, residual, layer_cache, meta, backend)
         h, residual = add_norm(self.input_layernorm, x, residual, backend)
         a = self.self_attn(rope, h, layer_cache, meta, backend)
         r = self.residual_multiplier
@@ -250,20 +249,21 @@ class LlamaForCausalLM(nn.Module):
         """``embedding_multiplier``; Gemma's rounded to the activations' dtype first, as
         transformers stores it."""
         mult = self.config.embedding_multiplier
-        if self.config.architecture == GEMMA3:
+        if self.config.architecture in GEMMA_ARCHITECTURES:
             return torch.tensor(mult, dtype=torch.float32).to(dtype).item()
         return mult
 
     def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden_size]`` -> this rank's block of the vocabulary's logits
         ``[N, vocab_size / tp]`` (rows ``tp.rank * vocab_size / tp`` on), hidden's dtype
-        (divided by ``logits_scaling`` where not 1)."""
+        (divided by ``logits_scaling`` where not 1; Gemma 2's soft cap applied)."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
             logits = self.model.embed_tokens.attend(hidden)
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        logits = logits if scaling == 1.0 else logits / scaling
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden ``[N, hidden_size]`` -> logits ``[N, vocab_size]`` float32 (None on a
@@ -325,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         if stored_head is not None and self._untie_if_different(stored_head):
             loaded.add("lm_head.weight")
         if self.config.norm_weight_offset:
-            fold_norm_offsets(self)
+            gemma.fold_norm_offsets(self)
         return loaded
 
     def _untie_if_different(self, head: torch.Tensor) -> bool:

@@ -63,3 +63,56 @@ def save_hf_checkpoint(hf_config: Any, path: str, seed: int,
     if not reference:
         return None
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def save_random_model(hf_config: Any, path: str, seed: int,
+                      norms: tuple[float, float] | None = None, **load: Any) -> Any:
+    """A seeded random transformers model of ``hf_config`` (fp32, eval; ``load``: more
+    ``from_config`` arguments), its norm weights drawn from N(mean, std) ``norms`` where
+    given (transformers starts them at a constant, which would hide a norm applied to
+    the wrong tensor or an unfolded offset), saved under ``path`` with the tiny BPE
+    tokenizer. Returns the model."""
+    from transformers import AutoModelForCausalLM
+
+    from deepinfer.testing.random_model import build_bpe_tokenizer
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **load).eval()
+    if norms is not None:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" in name:
+                    p.normal_(*norms)
+    hf.save_pretrained(path, safe_serialization=True)
+    build_bpe_tokenizer().save_pretrained(path)
+    return hf
+
+
+def folder_with(path: str, out: str, **changes: Any) -> str:
+    """A folder ``out`` holding ``path``'s weights and tokenizer (links) and its
+    ``config.json`` with ``changes`` (see :func:`edit_config`)."""
+    os.makedirs(out, exist_ok=True)
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "config.json"):
+        if f == "config.json":
+            with open(os.path.join(path, f)) as src, open(os.path.join(out, f), "w") as dst:
+                dst.write(src.read())
+        else:
+            os.symlink(os.path.join(path, f), os.path.join(out, f))
+    edit_config(out, changes)
+    return out
+
+
+def assert_engine_greedy_matches(path: str, hf: Any, new_tokens: int) -> None:
+    """The engine on the CPU kernels (float32) over the checkpoint at ``path``: prompts
+    of 5, 17 and 30 random tokens, a prefill chunked at 16 tokens, ``new_tokens`` greedy
+    tokens each equal to transformers' on ``hf``."""
+    from deepinfer import LLM
+    from tests.checkpoints import assert_greedy_matches_hf
+
+    llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=8,
+              max_num_batched_tokens=16)
+    g = torch.Generator().manual_seed(5)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    assert_greedy_matches_hf(llm, hf, prompts, new_tokens)

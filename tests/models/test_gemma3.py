@@ -6,8 +6,6 @@ past their window; both config layouts; what a bad config gets."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,6 +14,12 @@ from deepinfer.config import ModelConfig
 from deepinfer.loading.loader import load_model
 from deepinfer.models.decoder_stack import decoder_stack_spec
 from tests.checkpoints import assert_greedy_matches_hf
+from tests.models.hf_checkpoints import (
+    REMOVE,
+    assert_engine_greedy_matches,
+    folder_with,
+    save_random_model,
+)
 from tests.models.paged_sim import prefill_then_decode
 from tests.models.test_models import hf_logits
 
@@ -41,20 +45,8 @@ def _config(**kw):
 def gemma3(tmp_path_factory):
     """(path, HF model): a Gemma3ForCausalLM saved by transformers, its norm weights
     random (transformers starts them at 0, which would hide an unfolded offset)."""
-    from transformers import AutoModelForCausalLM
-
-    from deepinfer.testing.random_model import build_bpe_tokenizer
-
-    torch.manual_seed(33)
-    hf = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    path = tmp_path_factory.mktemp("gemma3")
-    hf.save_pretrained(str(path), safe_serialization=True)
-    build_bpe_tokenizer().save_pretrained(str(path))
-    return str(path), hf
+    path = str(tmp_path_factory.mktemp("gemma3"))
+    return path, save_random_model(_config(), path, 33, norms=(0.0, 0.3))
 
 
 def test_config_reads_as_gemma3textconfig(gemma3):
@@ -80,14 +72,8 @@ def test_prefill_then_decode_matches_transformers(gemma3):
 
 
 def test_engine_greedy_tokens_match_transformers(gemma3):
-    """The engine on the CPU kernels (float32), prompts of 5-30 tokens, 24 generated, a
-    prefill chunked at 16 tokens."""
-    path, hf = gemma3
-    llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=8,
-              max_num_batched_tokens=16)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 30)]
-    assert_greedy_matches_hf(llm, hf, prompts, 24)
+    """The engine on the CPU kernels (float32), a prefill chunked at 16 tokens."""
+    assert_engine_greedy_matches(*gemma3, 24)
 
 
 def test_bfloat16_stays_near_transformers(gemma3):
@@ -109,26 +95,14 @@ def test_bfloat16_stays_near_transformers(gemma3):
 
 
 def _folder_with(gemma3, tmp_path, **changes) -> str:
-    path, _ = gemma3
-    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).symlink_to(f"{path}/{f}")
-    cfg = json.loads(open(f"{path}/config.json").read())
-    cfg.update(changes)
-    for key, value in list(cfg.items()):
-        if value is _DROP:
-            del cfg[key]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
-
-
-_DROP = object()
+    return folder_with(gemma3[0], str(tmp_path / "edited"), **changes)
 
 
 def test_the_older_config_layout_reads_the_same(gemma3, tmp_path):
     """transformers 4.x's keys: rope_theta, rope_local_base_freq, sliding_window_pattern
     (every third layer global here), no layer_types."""
     path, _ = gemma3
-    old = _folder_with(gemma3, tmp_path, rope_parameters=_DROP, layer_types=_DROP,
+    old = _folder_with(gemma3, tmp_path, rope_parameters=REMOVE, layer_types=REMOVE,
                        rope_theta=10000.0, rope_local_base_freq=100.0,
                        sliding_window_pattern=3, rope_scaling=None)
     a, b = ModelConfig.from_hf_folder(path), ModelConfig.from_hf_folder(old)
@@ -151,13 +125,12 @@ def test_what_the_kernels_lack_is_named(gemma3, tmp_path, change, message):
 
 
 @pytest.fixture(scope="module")
-def gemma3_as_llama_cpp():
+def gemma3_as_llama_cpp(tmp_path_factory):
     """A Gemma3ForCausalLM laid out as llama.cpp assumes for a ``gemma3`` file (five
     sliding layers then a global one, the sliding layers' RoPE base 10000, attention
     scaled by head_dim): 6 layers, norms random."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
-    torch.manual_seed(34)
     cfg = Gemma3TextConfig(
         **{**SHAPE, "num_hidden_layers": 6}, max_position_embeddings=256, rms_norm_eps=1e-6,
         sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
@@ -166,12 +139,8 @@ def gemma3_as_llama_cpp():
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default",
                                                "rope_theta": 10000.0}})
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    return hf
+    path = str(tmp_path_factory.mktemp("gemma3-llama-cpp"))
+    return save_random_model(cfg, path, 34, norms=(0.0, 0.3))
 
 
 @pytest.mark.parametrize("linear_type", [None, "Q8_0"], ids=["f32", "q8_0-kept"])

@@ -92,11 +92,10 @@ def test_defaults_table_is_the_config_class_defaults(arch):
     assert set(HF_DEFAULTS[arch]) <= set(TABLE_KEYS)
     assert {k: class_default(k) for k in TABLE_KEYS} == {
         k: HF_DEFAULTS[arch].get(k) for k in TABLE_KEYS}
-    # Gemma 3 and SmolLM3 tie their embeddings by default (gemma_config and
+    # Gemma 2 and 3 and SmolLM3 tie their embeddings by default (gemma_config and
     # smollm3_config read that default).
-    fixed = {**FIXED_FALLBACKS, **({"tie_word_embeddings": True}
-                                   if arch in ("Gemma3ForCausalLM", "SmolLM3ForCausalLM")
-                                   else {})}
+    fixed = {**FIXED_FALLBACKS, **({"tie_word_embeddings": True} if arch in (
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM") else {})}
     assert {k: fields.get(k, v) for k, v in fixed.items()} == fixed
 
 
@@ -123,8 +122,8 @@ def test_omitted_keys_as_transformers_builds_them(arch):
         "eos_token_ids": () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
         # Mistral's and Gemma's default window; the Qwen families slide only with
         # use_sliding_window
-        "sliding_window": 4096 if arch in ("MistralForCausalLM", "Gemma3ForCausalLM")
-        else None,
+        "sliding_window": 4096 if arch in ("MistralForCausalLM", "Gemma2ForCausalLM",
+                                           "Gemma3ForCausalLM") else None,
         "num_experts": hf.num_experts if moe else 0,
         "num_experts_per_tok": hf.num_experts_per_tok if moe else 0,
         "moe_intermediate_size": getattr(hf, "moe_intermediate_size", hf.intermediate_size)
@@ -137,7 +136,7 @@ def test_omitted_keys_as_transformers_builds_them(arch):
     rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)
     assert rope["rope_type"] == "default" and ours.rope_scaling is None
     assert getattr(hf, "hidden_activation", None) == "gelu_pytorch_tanh" if \
-        arch == "Gemma3ForCausalLM" else hf.hidden_act in ("silu", "swish")
+        arch.startswith("Gemma") else hf.hidden_act in ("silu", "swish")
     with torch.device("meta"):
         qkv = LlamaForCausalLM(ours).model.layers[0].self_attn.qkv_proj
     assert qkv.weight.shape[0] == q_rows + 2 * k_rows

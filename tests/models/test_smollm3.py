@@ -6,16 +6,17 @@ config gets."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from deepinfer import LLM
 from deepinfer.config import ModelConfig
 from deepinfer.loading.loader import load_model
 from deepinfer.models.decoder_stack import decoder_stack_spec
-from tests.checkpoints import assert_greedy_matches_hf
+from tests.models.hf_checkpoints import (
+    assert_engine_greedy_matches,
+    folder_with,
+    save_random_model,
+)
 from tests.models.paged_sim import PagedSim, prefill_then_decode
 from tests.models.test_models import hf_logits
 
@@ -27,29 +28,17 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 def smollm3(tmp_path_factory):
     """(path, HF model): a SmolLM3ForCausalLM saved by transformers, NoPE layers 3 and 7
     (its default interval of 4), RoPE base 10000 so that rotation shows in 40 tokens."""
-    from transformers import AutoModelForCausalLM, SmolLM3Config
+    from transformers import SmolLM3Config
 
-    from deepinfer.testing.random_model import build_bpe_tokenizer
-
-    torch.manual_seed(51)
     cfg = SmolLM3Config(**SHAPE, max_position_embeddings=256, initializer_range=0.1,
                         bos_token_id=1, eos_token_id=2, pad_token_id=0,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("smollm3")
-    hf.save_pretrained(str(path), safe_serialization=True)
-    build_bpe_tokenizer().save_pretrained(str(path))
-    return str(path), hf
+    path = str(tmp_path_factory.mktemp("smollm3"))
+    return path, save_random_model(cfg, path, 51)
 
 
-def _folder_with(smollm3, tmp_path, **changes) -> str:
-    path, _ = smollm3
-    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / f).symlink_to(f"{path}/{f}")
-    cfg = json.loads(open(f"{path}/config.json").read())
-    cfg.update(changes)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
+def _folder_with(smollm3, out, **changes) -> str:
+    return folder_with(smollm3[0], str(out), **changes)
 
 
 def test_config_reads_as_smollm3config(smollm3):
@@ -71,14 +60,7 @@ def test_prefill_then_decode_matches_transformers(smollm3):
 
 
 def test_engine_greedy_tokens_match_transformers(smollm3):
-    """The engine on the CPU kernels (float32), prompts of 5-30 tokens, 24 generated, a
-    prefill chunked at 16 tokens."""
-    path, hf = smollm3
-    llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=8,
-              max_num_batched_tokens=16)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 30)]
-    assert_greedy_matches_hf(llm, hf, prompts, 24)
+    assert_engine_greedy_matches(*smollm3, 24)
 
 
 def test_the_nope_layers_are_felt(smollm3):
@@ -122,8 +104,6 @@ def test_gguf_file_matches_transformers(smollm3, tmp_path, linear_type):
 def test_sliding_window_only_when_asked(smollm3, tmp_path):
     """``sliding_window`` alone slides nothing; with ``use_sliding_window`` the layers
     ``layer_types`` marks slide, by default the NoPE ones (as SmolLM3Config fills it)."""
-    for sub in ("a", "b", "c"):
-        (tmp_path / sub).mkdir()
     a = ModelConfig.from_hf_folder(_folder_with(smollm3, tmp_path / "a", sliding_window=16))
     assert a.sliding_window is None
     b = ModelConfig.from_hf_folder(_folder_with(smollm3, tmp_path / "b", sliding_window=16,

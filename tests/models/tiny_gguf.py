@@ -18,8 +18,8 @@ GGUF_LAYER = {
     # Phi-3's fused projections (llama.cpp's ffn_up holds gate then up there)
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
-#: Gemma 3's four norms, as llama.cpp's converter names them.
-GGUF_GEMMA3_NORMS = {
+#: Gemma 2's and 3's four norms, as llama.cpp's converter names them.
+GGUF_GEMMA_NORMS = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
 }
@@ -44,16 +44,19 @@ def expert_tensors(c, i: str, rest: str, t: torch.Tensor,
 def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                      expert_type: str | None = None, linear_type: str | None = None,
                      pooling_type: int | None = None,
-                     spm_tokens: list[str] | None = None) -> None:
+                     spm_tokens: list[str] | None = None,
+                     float_keys: dict[str, float] | None = None) -> None:
     """What llama.cpp's converter does, in miniature: F32 tensors, llama q/k permuted,
     experts stacked (or one tensor each, ``per_expert``), MoE keys, Phi-3's keys and
     LongRoPE factor tensors; ``expert_type``: the experts quantized to that block type by
     ``gguf`` (a 32-weight type); ``linear_type``: the layers' projections too;
     ``pooling_type``: an embedding model's ``{arch}.pooling_type`` (llama.cpp's enum).
-    Gemma 3 (``gemma3``): its norms renamed and stored plus 1, its window, and nothing of
-    what llama.cpp hard-codes (the sliding layers' RoPE base, their pattern).
+    Gemma 2 / 3 (``gemma2``, ``gemma3``): the norms renamed and stored plus 1, the window
+    (and Gemma 2's soft caps), nothing of what llama.cpp hard-codes (the sliding layers'
+    RoPE base, their pattern).
     ``spm_tokens``: a sentencepiece vocabulary (``tokenizer.ggml.model`` "llama", as
-    Gemma's files have: ids 0-3 pad, eos, bos, unk, then 256 ``<0xNN>`` byte tokens)."""
+    Gemma's files have: ids 0-3 pad, eos, bos, unk, then 256 ``<0xNN>`` byte tokens);
+    ``float_keys``: more float32 keys, ``{arch}.`` prefixed."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
@@ -76,6 +79,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
         w.add_pooling_type(PoolingType(pooling_type))
     if spm_tokens is not None:
         _add_spm_vocab(w, spm_tokens)
+    for key, value in (float_keys or {}).items():
+        w.add_float32(f"{arch}.{key}", value)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -85,9 +90,12 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
-    if arch == "gemma3":
-        rope = rope["full_attention"]
+    if arch in ("gemma2", "gemma3"):
+        rope = rope.get("full_attention", rope)
         w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(c.vocab_size)
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
@@ -144,7 +152,7 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                     add_expert(gname, x)
                 continue
             mod, kind = rest.rsplit(".", 1)
-            if arch == "gemma3" and "norm" in mod:
+            if arch in ("gemma2", "gemma3") and "norm" in mod:
                 t = t + 1.0  # llama.cpp stores Gemma's norm factors, not their offsets
             if mod == "mlp.shared_expert_gate":
                 t = t.reshape(-1)  # llama.cpp stores it as a vector
@@ -153,8 +161,8 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                 h = c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads
                 t = t.reshape(h, 2, t.shape[0] // h // 2, *t.shape[1:]).transpose(1, 2)
                 t = t.reshape(-1, *hf_model.state_dict()[name].shape[1:])
-            layer_names = {**GGUF_LAYER, **GGUF_GEMMA3_NORMS} if arch == "gemma3" else \
-                GGUF_LAYER
+            layer_names = {**GGUF_LAYER, **GGUF_GEMMA_NORMS} if arch.startswith("gemma") \
+                or arch == "olmo2" else GGUF_LAYER
             gname = f"blk.{i}.{layer_names[mod]}.{kind}"
             if linear_type is not None and t.dim() == 2:
                 qtype = GGMLQuantizationType[linear_type]
@@ -167,7 +175,7 @@ def write_tiny_gguf(hf_model, arch: str, path: str, per_expert: bool = False,
                      "lm_head.weight": "output.weight"}[name]
             if gname == "output.weight" and c.tie_word_embeddings:
                 continue
-            if arch == "gemma3" and gname == "output_norm.weight":
+            if arch.startswith("gemma") and gname == "output_norm.weight":
                 t = t + 1.0
         w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
     w.write_header_to_file()
