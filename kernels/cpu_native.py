@@ -91,8 +91,9 @@ _MAX_GROUP = 64
 _MAX_DIM = 512
 # The kernel keeps a sequence's Hq x D floats on the thread's stack (a few of them).
 _MAX_HEADS_X_DIM = 1 << 17
-# The shapes of the 16-lane kernel, the only one that reads an int8 cache
-# (paged_decode_wide_takes in paged_decode_wide_cpu.c).
+# The int8 shapes of the 16-lane kernel, the only one that reads an int8 cache
+# (paged_decode_wide_takes in paged_decode_wide_cpu.c; it takes head dim 256 for float
+# caches only).
 _INT8_DIMS, _INT8_MAX_GROUP = (64, 128), 8
 # cache_kind of the C kernels (KV_* in vec16.h).
 KV_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}

@@ -28,9 +28,10 @@
 
 #include "vec16.h" /* KV_* cache kinds */
 
-/* The 16-lane kernel for head dims 64 / 128 and groups up to 8 (paged_decode_wide_cpu.c);
- * 1 for other shapes, which the 8-lane kernel below takes. */
-int paged_decode_wide_takes(int64_t group, int64_t dim);
+/* The 16-lane kernel for head dims 64 / 128 / 256 (256 not for an int8 cache) and groups
+ * up to 8 (paged_decode_wide_cpu.c); 1 for other shapes, which the 8-lane kernel below
+ * takes. */
+int paged_decode_wide_takes(int64_t group, int64_t dim, int kind);
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
                               int kind, const int64_t *blocks, int64_t lo, int64_t len,
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
@@ -280,7 +281,7 @@ int64_t paged_decode_attention_cpu(
     if (group > MAX_GROUP || chunks > MAX_CHUNKS || block_size <= 0 || block_size > MAX_BLOCK)
         return BAD_SHAPE;
     if (cache_kind < KV_F32 || cache_kind > KV_INT8 ||
-        (cache_kind == KV_INT8 && !paged_decode_wide_takes(group, dim)))
+        (cache_kind == KV_INT8 && !paged_decode_wide_takes(group, dim, KV_INT8)))
         return BAD_SHAPE;
     const int cache_is_bf16 = cache_kind == KV_BF16;
     /* Work items: sequences, each cut into `splits` KV-head ranges when there are fewer

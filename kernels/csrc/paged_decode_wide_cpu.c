@@ -1,7 +1,8 @@
 /* Paged decode attention for one sequence, 16 lanes wide, for the common shapes: head
- * dim 64 or 128 and up to 8 query heads per KV head. Called by paged_decode_cpu.c for
- * each work item; it returns 1 for a shape it does not take, and the 8-lane kernel there
- * runs it instead. Built with the other C kernels by kernels/cpu_native.py.
+ * dim 64, 128 or 256 (256: fp32 and bf16 caches only; an int8 cache at 64 / 128) and up
+ * to 8 query heads per KV head. Called by paged_decode_cpu.c for each work item; it
+ * returns 1 for a shape it does not take, and the 8-lane kernel there runs it instead.
+ * Built with the other C kernels by kernels/cpu_native.py.
  *
  * Why: the 8-lane kernel sizes its per-head arrays at run time, so its accumulators live
  * in memory and each K row is widened once per query head; on 2 cores it ran at ~38 ns
@@ -247,10 +248,12 @@ static inline __attribute__((always_inline)) void attend_seq16(
     }
 }
 
-/* Whether paged_decode_wide_seq takes a head dim and group size (the only kernel that
- * reads an int8 cache). */
-int paged_decode_wide_takes(int64_t group, int64_t dim) {
-    return (dim == 64 || dim == 128) && group >= 1 && group <= 8;
+/* Whether paged_decode_wide_seq takes a head dim and group size for a cache kind (the
+ * only kernel that reads an int8 cache). Head dim 256 (Gemma) for fp32 and bf16 only: an
+ * int8 cache stays at 64 / 128, the shapes kernels/cpu_native.py lets through. */
+int paged_decode_wide_takes(int64_t group, int64_t dim, int kind) {
+    return (dim == 64 || dim == 128 || (dim == 256 && kind != KV_INT8)) && group >= 1 &&
+           group <= 8;
 }
 
 /* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
@@ -262,7 +265,7 @@ int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v
                               int64_t block_size, int64_t num_kv_heads, int64_t h0,
                               int64_t nh, int64_t group, int64_t dim, float softcap,
                               float *out) {
-    if (!paged_decode_wide_takes(group, dim)) return 1;
+    if (!paged_decode_wide_takes(group, dim, kind)) return 1;
     const int i8 = kind == KV_INT8, is_bf16 = kind == KV_BF16;
     const int64_t hs = i8 ? kv_int8_row(dim) : dim, row = num_kv_heads * hs;
 #define HEAD(I8, G, C)                                                                   \
@@ -281,6 +284,9 @@ int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v
         GROUPS(1, 8);
     }
     if (dim == 64) GROUPS(0, 4);
+    /* Gemma's 256: at 4+ heads a group ~1.5-2x the 8-lane kernel's speed, at 1-2 (bound
+     * by memory there) no slower (bf16, 2 cores). */
+    if (dim == 256) GROUPS(0, 16);
     GROUPS(0, 8);
 #undef GROUPS
 #undef HEAD

@@ -8,6 +8,7 @@ is NaN-poisoned before each call.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -82,6 +83,40 @@ def test_matches_reference(hq, hkv, d, bs, dtype, lens):
     assert cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     got, want = _native_vs_reference(q, kv)
     assert_close(got, want, dtype)
+
+
+# Head dim 256 (every Gemma): the 16-lane kernel's groups 1-8 as at 64 / 128. Lengths
+# around 16 and the block size (past each 16 tokens, mid-block), a length 0.
+D256_LENS = [150, 0, 1, 15, 16, 17, 33, 70]
+
+
+@needs_cc
+@pytest.mark.parametrize("window, cap", [(None, None), (37, None), (None, 5.0), (21, 0.5)],
+                         ids=["plain", "window", "softcap", "window-softcap"])
+@pytest.mark.parametrize("hq, hkv, bs, dtype", [
+    pytest.param(4, 1, 16, BF16, id="gqa4-bf16"),  # Gemma 3 1B / 270M
+    pytest.param(8, 4, 16, F32, id="gqa2-f32"),  # Gemma 2 2B
+    pytest.param(3, 3, 32, BF16, id="mha-bs32-bf16"),
+    pytest.param(16, 2, 16, F32, id="gqa8-f32"),
+    pytest.param(6, 2, 64, BF16, id="gqa3-bs64-bf16")])
+def test_head_dim_256_on_the_16_lane_kernel(hq, hkv, bs, dtype, window, cap):
+    lib = cpu_native.native_library()
+    takes = lib["paged_decode_wide_takes"]  # a fresh function object: argtypes stay local
+    takes.restype, takes.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    assert takes(hq // hkv, 256, cpu_native.KV_KIND[dtype])
+    g = generator(seed_for("cpu-native-d256", hq, hkv, bs, dtype, window, cap))
+    kv = _paged_kv(D256_LENS, bs, hkv, 256, dtype, g)
+    # With a cap, scores of about twice the cap (k ~ N(0, 1), scale 1 / 16), where tanh bends.
+    q = (torch.randn((len(D256_LENS), hq, 256), generator=g) * (2 * (cap or 0.5))).to(dtype)
+    assert cpu_native.can_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    got, want = _native_vs_reference(q, kv, window=window, softcap=cap)
+    live = [b for b, n in enumerate(D256_LENS) if n]
+    assert_close(got[live], want[live], dtype)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))  # length 0: zeros
+    if cap is not None:  # the cap moves the result far past the tolerance
+        plain = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                 kv.seq_lens, window=window)
+        assert (want[live].float() - plain[live].float()).abs().max() > 0.1
 
 
 @needs_cc
