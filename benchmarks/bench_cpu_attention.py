@@ -15,8 +15,8 @@ so compare the ratios, not the absolute times):
 
 The paged caches hold the same K/V in shuffled blocks (a block table after churn). Cases:
 SmolLM2-135M attention (Hq 9, Hkv 3, D 64) at B=64 and ctx 256/1024, and the tiny model of
-benchmarks/bench_host.py (Hq 4, Hkv 2, D 16) at B=256/1024 and ctx 300, all sequences at
-ctx (the dense floor's case); ``ragged`` rows draw lengths in [ctx/2, ctx] for the paged ops
+benchmarks/bench_host.py (Hq 4, Hkv 2, D 16) at B=256/1024 and ctx 300, Gemma-3-1B's and
+Gemma-2-2B's (D 256) at B=16 and ctx 1024, all sequences at ctx (the dense floor's case); ``ragged`` rows draw lengths in [ctx/2, ctx] for the paged ops
 while the floor stays at ctx. Block size 16, fp32.
 
     python benchmarks/bench_cpu_attention.py                  # prints the table
@@ -67,6 +67,9 @@ CASES = [
     Case("tiny", 256, 300, 4, 2, 16),
     Case("tiny", 1024, 300, 4, 2, 16),
     Case("tiny ragged", 1024, 300, 4, 2, 16, ragged=True),
+    # Gemma's head dim 256 (the 16-lane kernel's since 2026-12-07): Gemma-3-1B, Gemma-2-2B
+    Case("Gemma-3-1B", 16, 1024, 4, 1, 256),
+    Case("Gemma-2-2B", 16, 1024, 8, 4, 256),
 ]
 
 

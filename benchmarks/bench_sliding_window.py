@@ -38,14 +38,14 @@ CASES = [("decode", 16, 4096, 512), ("decode", 4, 8192, 512), ("decode", 64, 102
          ("prefill", 1, 2048, 512), ("prefill", 1, 4096, 512)]
 
 
-def paged(lens: list[int], dtype: torch.dtype, seed: int = 0):
-    """K/V caches ``[NB, BLOCK, HKV, D]`` holding ``lens`` tokens in shuffled blocks, and
+def paged(lens: list[int], dtype: torch.dtype, seed: int = 0, hkv: int = HKV, d: int = D):
+    """K/V caches ``[NB, BLOCK, hkv, d]`` holding ``lens`` tokens in shuffled blocks, and
     the block tables ``[B, W]`` int32 and lengths ``[B]`` int32."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n in lens]
     total = sum(need)
-    k = torch.randn((total, BLOCK, HKV, D), generator=g).to(dtype)
-    v = torch.randn((total, BLOCK, HKV, D), generator=g).to(dtype)
+    k = torch.randn((total, BLOCK, hkv, d), generator=g).to(dtype)
+    v = torch.randn((total, BLOCK, hkv, d), generator=g).to(dtype)
     perm = torch.randperm(total, generator=g).int()
     tables = torch.zeros((len(lens), max(need)), dtype=torch.int32)
     at = 0
