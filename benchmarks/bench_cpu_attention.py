@@ -16,8 +16,9 @@ so compare the ratios, not the absolute times):
 The paged caches hold the same K/V in shuffled blocks (a block table after churn). Cases:
 SmolLM2-135M attention (Hq 9, Hkv 3, D 64) at B=64 and ctx 256/1024, and the tiny model of
 benchmarks/bench_host.py (Hq 4, Hkv 2, D 16) at B=256/1024 and ctx 300, Gemma-3-1B's and
-Gemma-2-2B's (D 256) at B=16 and ctx 1024, all sequences at ctx (the dense floor's case); ``ragged`` rows draw lengths in [ctx/2, ctx] for the paged ops
-while the floor stays at ctx. Block size 16, fp32.
+Gemma-2-2B's (D 256) at B=16 and ctx 1024, all sequences at ctx (the dense floor's case);
+``ragged`` rows draw lengths in [ctx/2, ctx] for the paged ops while the floor stays at
+ctx. Block size 16, fp32.
 
     python benchmarks/bench_cpu_attention.py                  # prints the table
     python benchmarks/bench_cpu_attention.py --threads 1 --reps 9
