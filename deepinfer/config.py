@@ -346,9 +346,9 @@ def check_rotary_dims(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.architecture}: partial_rotary_factor="
                          f"{cfg.partial_rotary_factor} rotates {rot} of head_dim "
                          f"{cfg.head_dim} values; expected an even count from 2 to head_dim")
-    if (rot < cfg.head_dim or cfg.nope_layers) and (cfg.qk_norm or cfg.qk_norm_full_width):
-        raise ValueError(f"{cfg.architecture}: a partial rotary or NoPE layers with q/k "
-                         "norms are not supported")
+    if rot < cfg.head_dim and (cfg.qk_norm or cfg.qk_norm_full_width):
+        raise ValueError(f"{cfg.architecture}: a partial rotary with q/k norms is not "
+                         "supported")
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type") != "longrope":
         return

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.exaone4_config import EXAONE4, exaone4_fields
 from deepinfer.gemma_config import (
     GEMMA2,
     GEMMA3,
@@ -27,7 +28,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
     "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
+    "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Exaone4ForCausalLM",
 )
 
 #: Base-model architectures (the decoder without its language-model head, as embedding
@@ -98,6 +99,9 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                              eos_token_id=50279, num_experts=64, num_experts_per_tok=8),
     "Olmo2ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
                              eos_token_id=50279),
+    EXAONE4: dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                  num_key_value_heads=32, sliding_window=4096, bos_token_id=0,
+                  eos_token_id=2),
     "Qwen2MoeForCausalLM": dict(_QWEN, num_key_value_heads=16, max_window_layers=28,
                                 num_experts=60, num_experts_per_tok=4,
                                 moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
@@ -218,6 +222,8 @@ def hf_config_fields(cfg: dict[str, Any],
         fields.update(gemma2_fields(cfg, hidden, fields["num_layers"]))
     elif arch == SMOLLM3:
         fields.update(smollm3_fields(cfg, fields["num_layers"]))
+    elif arch == EXAONE4:
+        fields.update(exaone4_fields(cfg, fields["num_layers"]))
     return fields
 
 
@@ -261,7 +267,7 @@ def _hf_count(arch: str, cfg: dict[str, Any], key: str, fallback: int) -> int:
 
 def _hf_attention_bias(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     """(q/k/v bias, o_proj bias) as transformers builds the attention of ``arch``."""
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", EXAONE4):
         return False, False  # no bias whatever the config says
     if arch == "Qwen2ForCausalLM":
         return True, False  # hard-coded qkv bias, no switch in its config
@@ -368,6 +374,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "mixtral": "MixtralForCausalLM",
         "olmoe": "OlmoeForCausalLM",
         "olmo2": "Olmo2ForCausalLM",
+        "exaone4": EXAONE4,
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "granite": "GraniteForCausalLM",
         "phi3": "Phi3ForCausalLM",

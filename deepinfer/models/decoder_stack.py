@@ -2,7 +2,8 @@
 (``ModelBackend.bind_decoder_stack``), and the binding kept per backend.
 
 Only layers that are the plain pre-norm Llama block are described: q/k/v without bias or
-clipping, no full-width q/k norm, a dense gated MLP, every projection kept as GGUF blocks
+clipping, no full-width q/k norm, no q/k norm on a NoPE layer (the C step copies those
+q/k as projected), a dense gated MLP, every projection kept as GGUF blocks
 (a fused one's parts may differ in type) or bound to the CPU's dense bf16 kernel, one
 RMSNorm epsilon, no tensor parallelism. For any other model the spec is None and the
 decoder runs layer by layer.
@@ -47,7 +48,7 @@ def _blocks(layer: nn.Module) -> Projection | None:
 def _layer_weights(block: nn.Module, eps: float) -> DecoderLayerWeights | None:
     attn, mlp = block.self_attn, block.mlp
     if (not isinstance(mlp, GatedMLP) or mlp.act != "silu" or block.sandwich
-            or block.post_norms
+            or block.post_norms or (not attn.rope and attn.q_norm is not None)
             or attn.full_width_norm or attn.clip_qkv is not None):
         return None
     norms = [block.input_layernorm, block.post_attention_layernorm]

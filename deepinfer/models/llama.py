@@ -3,11 +3,10 @@
 Laid out for inference: q/k/v are one fused Linear (split after), gate/up another, the
 attention goes through the paged KV cache via a pluggable kernel backend. The variants
 differ only in switches read from :class:`~deepinfer.config.ModelConfig`: attention
-biases (q/k/v on Qwen2 and Qwen2-MoE; q/k/v and o_proj with ``attention_bias`` on Llama,
-Qwen3, Qwen3-MoE and OLMoE), per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3) or over
-the whole projection (OLMoE, with optional qkv clipping), RoPE scaling and its layers,
-tied embeddings, Granite's and Gemma's scalars, Gemma's block (:mod:`.gemma`), and which
-layers have a sparse MoE block (:mod:`deepinfer.models.moe`) instead of the dense MLP.
+biases, per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3, Exaone 4) or over the whole
+projection (OLMoE, OLMo 2; qkv clipping), RoPE scaling and its layers, tied embeddings,
+Granite's and Gemma's scalars, norms after (:mod:`.gemma`), and which layers have a
+sparse MoE block (:mod:`deepinfer.models.moe`) instead of the dense MLP.
 
 Module names mirror the HF checkpoint names (``model.layers.N.self_attn.o_proj``...), so
 weight loading only has to handle the fused projections.
@@ -99,10 +98,12 @@ class LlamaAttention(nn.Module):
         # v stays a strided view of the fused output: it only feeds store_kv, which takes
         # any row stride (unit last stride).
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if not self.rope:  # the attention kernels take q and k packed
+        if not self.rope:  # NoPE: q and k packed (the attention kernels take no stride)
             q, k = q.contiguous(), k.contiguous()
-        elif self.q_norm is not None and not self.full_width_norm:
-            # Per-head q/k norm (Qwen3) runs inside the rotary kernel.
+            if self.q_norm is not None and not self.full_width_norm:  # Exaone 4's: per head
+                q, k = (backend.rms_norm(x.view(-1, self.head_dim), n.weight, n.eps).view(x.shape)
+                        for x, n in ((q, self.q_norm), (k, self.k_norm)))
+        elif self.q_norm is not None and not self.full_width_norm:  # inside the rotary
             q, k = backend.rotary_qk(q, k, *rope, self.q_norm.weight, self.k_norm.weight,
                                      self.q_norm.eps)
         else:

@@ -351,3 +351,21 @@ def test_fused_step_with_nope_layers_gives_the_per_layer_bits(auto_model):
     near = (fused.float() - oracle.float()).abs().mean()
     assert near < (1e-4 if dtype == torch.float32 else 0.05) * oracle.float().std()
     assert (rotated.float() - fused.float()).abs().mean() > 5 * near
+
+
+def test_fused_step_declines_a_nope_layer_with_qk_norms(auto_model):
+    """A NoPE layer with per-head q/k norms (EXAONE 4's global layers): the C step would
+    copy q and k without their norms, so the model runs layer by layer."""
+    from deepinfer.models.layers import RMSNorm
+
+    model, _, _ = auto_model
+    attn = model.model.layers[2].self_attn
+    d, eps = attn.head_dim, model.model.norm.eps
+    try:
+        attn.rope = False
+        assert decoder_stack_spec(model) is not None
+        attn.q_norm, attn.k_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        assert decoder_stack_spec(model) is None
+    finally:
+        attn.rope, attn.q_norm, attn.k_norm = True, None, None
+        model.decoder_stack.reset()

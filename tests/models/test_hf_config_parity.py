@@ -120,10 +120,11 @@ def test_omitted_keys_as_transformers_builds_them(arch):
         "tie_word_embeddings": hf.tie_word_embeddings,
         "bos_token_id": hf_model.generation_config.bos_token_id,
         "eos_token_ids": () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-        # Mistral's and Gemma's default window; the Qwen families slide only with
+        # Mistral's, Gemma's and EXAONE's default window; the Qwen families slide only with
         # use_sliding_window
         "sliding_window": 4096 if arch in ("MistralForCausalLM", "Gemma2ForCausalLM",
-                                           "Gemma3ForCausalLM") else None,
+                                           "Gemma3ForCausalLM", "Exaone4ForCausalLM")
+        else None,
         "num_experts": hf.num_experts if moe else 0,
         "num_experts_per_tok": hf.num_experts_per_tok if moe else 0,
         "moe_intermediate_size": getattr(hf, "moe_intermediate_size", hf.intermediate_size)

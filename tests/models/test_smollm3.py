@@ -124,10 +124,3 @@ def test_sliding_window_only_when_asked(smollm3, tmp_path):
 def test_bad_config_is_named(smollm3, tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_folder(_folder_with(smollm3, tmp_path, **change))
-
-
-def test_nope_layers_with_qk_norms_are_refused():
-    with pytest.raises(ValueError, match="NoPE layers with q/k norms are not supported"):
-        ModelConfig(architecture="SmolLM3ForCausalLM", vocab_size=300, hidden_size=64,
-                    intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
-                    head_dim=16, qk_norm=True, nope_layers=(3,))
