@@ -20,6 +20,8 @@ from deepinfer.gguf_fields import gguf_granite_fields, gguf_moe_fields, gguf_phi
 from deepinfer.hf_config import (
     GGUF_ARCHITECTURES,
     MOE_ARCHITECTURES,
+    OLMO2,
+    OLMO2_FIELDS,
     check_architecture,
     hf_config_fields,
 )
@@ -271,8 +273,8 @@ class ModelConfig:
                                              need("block_count")))
         elif arch == SMOLLM3:
             scalars.update(gguf_smollm3_fields(need("block_count")))
-        elif arch == "Olmo2ForCausalLM":
-            scalars.update(qk_norm_full_width=True, post_norms=True)
+        elif arch == OLMO2:
+            scalars.update(OLMO2_FIELDS)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepinfer.layer_pattern import all_but_every_nth, sliding_layers_of
+
 __all__ = ["EXAONE4", "EXAONE4_DEFAULTS", "exaone4_fields"]
 
 EXAONE4 = "Exaone4ForCausalLM"
@@ -19,25 +21,25 @@ EXAONE4 = "Exaone4ForCausalLM"
 EXAONE4_DEFAULTS: dict[str, Any] = dict(sliding_window=4096, sliding_window_pattern=4)
 
 
-def _layer_types(cfg: dict[str, Any], num_layers: int, window: int | None) -> list[str]:
+def _sliding_layers(cfg: dict[str, Any], num_layers: int,
+                    window: int | None) -> tuple[int, ...]:
+    """The layers that slide, as Exaone4Config fills ``layer_types`` when it is absent."""
     types = cfg.get("layer_types")
     if types is not None:
         if len(types) != num_layers:
             raise ValueError(f"{EXAONE4}: layer_types lists {len(types)} layers for "
                              f"num_hidden_layers={num_layers}")
-        return list(types)
+        return sliding_layers_of(types)
     if not window:
-        return ["full_attention"] * num_layers
+        return ()
     pattern = cfg.get("sliding_window_pattern", EXAONE4_DEFAULTS["sliding_window_pattern"])
     if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
         # The released checkpoints' spelling: "LLLG", L local (sliding), G global.
-        return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
-                for i in range(num_layers)]
+        return tuple(i for i in range(num_layers) if pattern[i % len(pattern)] == "L")
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise ValueError(f"{EXAONE4}: sliding_window_pattern={pattern!r} must be a positive "
                          "integer or a string of L and G")
-    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)]
+    return all_but_every_nth(num_layers, pattern)
 
 
 def exaone4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -45,8 +47,7 @@ def exaone4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     the block and q/k norms, and the sliding and NoPE layers; ``ValueError`` naming the
     key when ``layer_types`` or ``sliding_window_pattern`` is malformed."""
     window = cfg.get("sliding_window", EXAONE4_DEFAULTS["sliding_window"])
-    types = _layer_types(cfg, num_layers, window)
-    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    sliding = _sliding_layers(cfg, num_layers, window)
     out: dict[str, Any] = dict(qk_norm=True, post_norms=True, sliding_window=None,
                                sliding_layers=None)
     if window:  # hybrid: RoPE on the sliding layers only

@@ -17,14 +17,17 @@ Both layouts are read: transformers 5's ``rope_parameters`` per layer type, and 
 Gemma 2 is the same block without q/k norms, every other layer sliding, one RoPE base,
 and soft caps (``c * tanh(x / c)``) on the attention scores and on the final logits.
 
-GGUF files (llama.cpp's ``gemma3``) store the norms with the 1 already added, and leave
-out what llama.cpp hard-codes: :func:`gguf_gemma3_fields` reads them as it does.
+GGUF files (llama.cpp's ``gemma2`` and ``gemma3``) store the norms with the 1 already
+added, and leave out what llama.cpp hard-codes: :func:`gguf_gemma_fields` reads them as
+it does.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from deepinfer.layer_pattern import all_but_every_nth, sliding_layers_of
 
 __all__ = ["GEMMA2", "GEMMA3", "GEMMA3_DEFAULTS", "GEMMA_ARCHITECTURES", "gemma2_fields",
            "gemma3_fields", "gguf_gemma_fields"]
@@ -68,9 +71,8 @@ def _sliding_layers(cfg: dict[str, Any], num_layers: int, period: int) -> tuple[
     ``sliding_window_pattern``, default 6; Gemma 2: 2, the even layers)."""
     types = cfg.get("layer_types")
     if types is not None:
-        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    pattern = cfg.get("sliding_window_pattern") or period
-    return tuple(i for i in range(num_layers) if (i + 1) % int(pattern))
+        return sliding_layers_of(types)
+    return all_but_every_nth(num_layers, int(cfg.get("sliding_window_pattern") or period))
 
 
 def _positive(arch: str, key: str, value: Any) -> float:
@@ -167,8 +169,7 @@ def gguf_gemma_fields(gguf_arch: str, get: Any, hidden_size: int, num_heads: int
                              f"has {len(pattern)} flags for {num_layers} layers")
         layers = tuple(i for i, sliding in enumerate(pattern) if sliding)
     else:  # llama.cpp's period: layer i slides unless (i + 1) % period == 0; 0: all do
-        period = int(pattern)
-        layers = tuple(i for i in range(num_layers) if period == 0 or (i + 1) % period)
+        layers = all_but_every_nth(num_layers, int(pattern))
     scale = get("attention.scale")
     if not scale:
         width = hidden_size // num_heads if num_layers == defaults["layers_27b"] else head_dim

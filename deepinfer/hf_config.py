@@ -20,15 +20,21 @@ from deepinfer.gemma_config import (
     gemma2_fields,
     gemma3_fields,
 )
+from deepinfer.layer_pattern import sliding_layers_of
 from deepinfer.phi3_config import phi3_partial_rotary, phi3_rope
 from deepinfer.smollm3_config import SMOLLM3, smollm3_fields
+
+OLMO2 = "Olmo2ForCausalLM"
+#: OLMo 2's switches (HF folders and GGUF files): q/k norms over the whole projection,
+#: norms after the attention and the MLP only.
+OLMO2_FIELDS: dict[str, Any] = dict(qk_norm_full_width=True, post_norms=True)
 
 #: HF ``architectures`` names the engine can run (all share one decoder implementation).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
     "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Exaone4ForCausalLM",
+    "SmolLM3ForCausalLM", OLMO2, "Exaone4ForCausalLM",
 )
 
 #: Base-model architectures (the decoder without its language-model head, as embedding
@@ -63,7 +69,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,
     "smollm3": SMOLLM3,
-    "olmo2": "Olmo2ForCausalLM",
+    "olmo2": OLMO2,
 }
 
 #: Whether llama.cpp renormalises the top-k routing weights of a GGUF architecture when
@@ -97,7 +103,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                num_experts_per_tok=2),
     "OlmoeForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
                              eos_token_id=50279, num_experts=64, num_experts_per_tok=8),
-    "Olmo2ForCausalLM": dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
+    OLMO2: dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
                              eos_token_id=50279),
     EXAONE4: dict(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=2048,
                   num_key_value_heads=32, sliding_window=4096, bos_token_id=0,
@@ -134,7 +140,7 @@ GRANITE_MULTIPLIERS: dict[str, float] = dict(embedding_multiplier=1.0, residual_
 _NULL_FALLBACK: dict[str, tuple[str, ...]] = {
     "num_key_value_heads": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                             "OlmoeForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM",
-                            SMOLLM3, "Olmo2ForCausalLM"),
+                            SMOLLM3, OLMO2),
     "head_dim": ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
 }
 
@@ -212,9 +218,7 @@ def hf_config_fields(cfg: dict[str, Any],
         **_hf_multipliers(arch, cfg),
         **({"partial_rotary_factor": phi3_partial_rotary(cfg)}
            if arch == "Phi3ForCausalLM" else {}),
-        # OLMo 2: q/k norms over the whole projection, norms after attention and MLP only
-        **({"qk_norm_full_width": True, "post_norms": True}
-           if arch == "Olmo2ForCausalLM" else {}),
+        **(OLMO2_FIELDS if arch == OLMO2 else {}),
     )
     if arch == GEMMA3:
         fields.update(gemma3_fields(cfg, hidden, fields["num_layers"]))
@@ -284,7 +288,7 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     whatever the key says); the Qwen families only with ``use_sliding_window``, and Qwen2,
     Qwen3 and Qwen2-MoE only on the layers ``layer_types`` marks, by default from
     ``max_window_layers`` (Qwen2/Qwen3: layers >= it; Qwen2-MoE: even layers < it)."""
-    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", "Olmo2ForCausalLM",
+    if arch in ("LlamaForCausalLM", "OlmoeForCausalLM", OLMO2,
                 "GraniteForCausalLM", SMOLLM3) or (
             arch.startswith("Qwen") and not cfg.get("use_sliding_window")):
         return {}
@@ -296,7 +300,7 @@ def _hf_sliding_window(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         types, first = cfg.get("layer_types"), _get(cfg, "max_window_layers", HF_DEFAULTS[arch])
         n = int(cfg["num_hidden_layers"])
         if types is not None:
-            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            layers = sliding_layers_of(types)
         elif arch == "Qwen2MoeForCausalLM":
             layers = tuple(i for i in range(min(first, n)) if i % 2 == 0)
         else:
@@ -373,7 +377,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "olmoe": "OlmoeForCausalLM",
-        "olmo2": "Olmo2ForCausalLM",
+        "olmo2": OLMO2,
         "exaone4": EXAONE4,
         "qwen2_moe": "Qwen2MoeForCausalLM",
         "granite": "GraniteForCausalLM",

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepinfer.layer_pattern import every_nth, sliding_layers_of
+
 __all__ = ["NOPE_INTERVAL", "SMOLLM3", "gguf_smollm3_fields", "smollm3_fields"]
 
 SMOLLM3 = "SmolLM3ForCausalLM"
 #: SmolLM3Config's ``no_rope_layer_interval`` default, and llama.cpp's fixed step.
 NOPE_INTERVAL = 4
-
-
-def _interval_nope(num_layers: int, interval: int) -> tuple[int, ...]:
-    """The layers ``i`` with ``(i + 1) % interval == 0``: every ``interval``-th."""
-    return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
 
 
 def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -35,7 +32,7 @@ def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"{SMOLLM3}: no_rope_layer_interval={interval!r} must be a "
                              "positive integer")
-        nope = _interval_nope(num_layers, interval)
+        nope = every_nth(num_layers, interval)
     elif (not isinstance(flags, list) or len(flags) != num_layers
           or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
         raise ValueError(f"{SMOLLM3}: no_rope_layers must list a 0 or 1 for each of the "
@@ -47,8 +44,7 @@ def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") and window:
         types = cfg.get("layer_types")
-        layers = nope if types is None else tuple(
-            i for i, t in enumerate(types) if t == "sliding_attention")
+        layers = nope if types is None else sliding_layers_of(types)
         if layers:
             out.update(sliding_window=int(window), sliding_layers=layers)
     return out
@@ -57,4 +53,4 @@ def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 def gguf_smollm3_fields(num_layers: int) -> dict[str, Any]:
     """A llama.cpp ``smollm3`` file's NoPE layers: every fourth, as llama.cpp hard-codes
     (the file stores no key for them)."""
-    return dict(nope_layers=_interval_nope(num_layers, NOPE_INTERVAL))
+    return dict(nope_layers=every_nth(num_layers, NOPE_INTERVAL))

@@ -68,15 +68,14 @@ _LAYER_NAMES = {
 #: up as one ``ffn_up`` tensor (gate rows first); Gemma 2 and 3 have a norm before and
 #: after both the attention and the MLP, ``ffn_norm`` the one before the MLP; OLMo 2 the
 #: ones after only.
+_NORMS_AFTER = {"post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_NAMES = {**_LAYER_NAMES, **_NORMS_AFTER, "ffn_norm": "pre_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+    "olmo2": {**_LAYER_NAMES, **_NORMS_AFTER},
 }
-_ARCH_LAYER_NAMES["gemma2"] = _ARCH_LAYER_NAMES["gemma3"]
-_ARCH_LAYER_NAMES["olmo2"] = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                              "post_ffw_norm": "post_feedforward_layernorm"}
 #: Tensors folded into the config: Llama 3.1's frequency divisors, Phi-3's LongRoPE factors.
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 #: Stacked expert tensors ``[E, ...]`` -> the per-expert projection of each slice.

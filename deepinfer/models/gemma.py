@@ -20,8 +20,8 @@ from deepinfer.models.attention import AttentionMetadata
 from deepinfer.models.backend import ModelBackend
 from deepinfer.models.layers import RMSNorm, add_norm
 
-__all__ = ["add_sandwich_norms", "fold_norm_offsets", "norms_after_forward",
-           "post_norm_forward", "sandwich_forward"]
+__all__ = ["add_sandwich_norms", "fold_norm_offsets", "post_norm_forward",
+           "sandwich_forward"]
 
 
 def add_sandwich_norms(layer: nn.Module, cfg: ModelConfig) -> None:
@@ -68,16 +68,6 @@ def post_norm_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
     s = s + backend.rms_norm(a, norm.weight, norm.eps)
     norm = layer.post_feedforward_layernorm
     return backend.rms_norm(layer.mlp(s, backend), norm.weight, norm.eps), s
-
-
-def norms_after_forward(layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
-                        x: torch.Tensor, residual: torch.Tensor | None,
-                        layer_cache: torch.Tensor, meta: AttentionMetadata,
-                        backend: ModelBackend) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block of a layer with norms after: :func:`sandwich_forward` where it has
-    ``sandwich`` set, else :func:`post_norm_forward`."""
-    block = sandwich_forward if layer.sandwich else post_norm_forward
-    return block(layer, rope, x, residual, layer_cache, meta, backend)
 
 
 @torch.no_grad()

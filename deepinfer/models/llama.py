@@ -14,6 +14,7 @@ weight loading only has to handle the fused projections.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 
@@ -43,6 +44,12 @@ from deepinfer.models.parallel_layers import (
 )
 from deepinfer.models.quantized import keep_quantized, keep_quantized_parts, part_blocks
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup, local_sizes
+
+
+@functools.cache
+def _rounded_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (once per pair: the forward asks every step)."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,7 +83,8 @@ class LlamaDecoderLayer(nn.Module):
         Returns ``(mlp output, residual)``; the stream after this layer is their sum
         (each block's output scaled by ``residual_multiplier`` first, where not 1)."""
         if self.sandwich or self.post_norms:
-            return gemma.norms_after_forward(self, rope, x, residual, layer_cache, meta, backend)
+            block = gemma.sandwich_forward if self.sandwich else gemma.post_norm_forward
+            return block(self, rope, x, residual, layer_cache, meta, backend)
         h, residual = add_norm(self.input_layernorm, x, residual, backend)
         a = self.self_attn(rope, h, layer_cache, meta, backend)
         r = self.residual_multiplier
@@ -184,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         transformers stores it."""
         mult = self.config.embedding_multiplier
         if self.config.architecture in GEMMA_ARCHITECTURES:
-            return torch.tensor(mult, dtype=torch.float32).to(dtype).item()
+            return _rounded_to(mult, dtype)
         return mult
 
     def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -70,10 +70,12 @@ class LlamaAttention(nn.Module):
         # any row stride (unit last stride).
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if not self.rope:  # NoPE: q and k packed (the attention kernels take no stride)
-            q, k = q.contiguous(), k.contiguous()
             if self.q_norm is not None and not self.full_width_norm:  # Exaone 4's: per head
-                q, k = (backend.rms_norm(x.view(-1, self.head_dim), n.weight, n.eps).view(x.shape)
+                q, k = (backend.rms_norm(x.reshape(-1, self.head_dim), n.weight,
+                                         n.eps).view(x.shape)
                         for x, n in ((q, self.q_norm), (k, self.k_norm)))
+            else:
+                q, k = q.contiguous(), k.contiguous()
         elif self.q_norm is not None and not self.full_width_norm:  # inside the rotary
             q, k = backend.rotary_qk(q, k, *rope, self.q_norm.weight, self.k_norm.weight,
                                      self.q_norm.eps)
