@@ -18,20 +18,14 @@ The ``test_`` function at the bottom checks one tiny case against the torch refe
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from results_meta import git_commit, table_lines, utc_now
+from results_meta import interleaved_medians_ms, save_cpu_table
 
 from deepinfer_kernels import cpu_backend, reference
 
-HERE = Path(__file__).resolve().parent
 BLOCK, HQ, HKV, D = 16, 32, 8, 128
 #: (name, op, sequences, context or prompt tokens, window)
 CASES = [("decode", 16, 4096, 512), ("decode", 4, 8192, 512), ("decode", 64, 1024, 512),
@@ -82,16 +76,8 @@ def key_ratio(op: str, ctx: int, window: int) -> float:
 
 
 def time_case(op: str, batch: int, ctx: int, window: int, reps: int) -> dict:
-    fns = calls(op, batch, ctx, window)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up (first-call costs)
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    full, win = (statistics.median(times[n]) * 1e3 for n in ("full", "window"))
+    ms = interleaved_medians_ms(calls(op, batch, ctx, window), reps)
+    full, win = ms["full"], ms["window"]
     return {"op": op, "sequences": batch, "tokens": ctx, "window": window,
             "full ms": round(full, 2), "window ms": round(win, 2),
             "speed-up": f"{full / win:.2f}x", "key ratio": f"{key_ratio(op, ctx, window):.2f}x"}
@@ -109,20 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         print(rows[-1], flush=True)
     if not args.save:
         return
-    meta = {"commit": git_commit(), "date": utc_now(), "torch": torch.__version__,
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "reps": args.reps, "rows": rows}
-    out = HERE / "results" / "sliding-window-cpu"
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    lines = [f"# Sliding-window attention, C kernels ({platform.machine()}, "
-             f"{torch.get_num_threads()} threads)", "",
-             f"commit `{meta['commit']}`, {meta['date']}, torch {torch.__version__}, "
-             "`python benchmarks/bench_sliding_window.py --save`", "",
-             *table_lines(list(rows[0]), rows), "",
-             f"Hq {HQ}, Hkv {HKV}, D {D}, bf16 cache, block size {BLOCK}; median of "
-             f"{args.reps} interleaved rounds. The key ratio is what the window saves in "
-             "keys read (decode) or score rows (prefill): the speed-up to expect."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out = save_cpu_table(
+        "sliding-window-cpu", "Sliding-window attention, C kernels",
+        "python benchmarks/bench_sliding_window.py --save", rows,
+        f"Hq {HQ}, Hkv {HKV}, D {D}, bf16 cache, block size {BLOCK}; median of "
+        f"{args.reps} interleaved rounds. The key ratio is what the window saves in "
+        "keys read (decode) or score rows (prefill): the speed-up to expect.", args.reps)
     print(f"wrote {out}.json/.md", file=sys.stderr)
 
 

@@ -15,21 +15,15 @@ The ``test_`` function at the bottom checks one tiny case against the torch refe
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from bench_sliding_window import paged
-from results_meta import git_commit, table_lines, utc_now
+from results_meta import interleaved_medians_ms, save_cpu_table
 
 from deepinfer_kernels import cpu_backend, reference
 
-HERE = Path(__file__).resolve().parent
 HQ, HKV, D, CAP = 8, 4, 256, 50.0
 #: (op, sequences, context or prompt tokens)
 CASES = [("decode", 16, 4096), ("decode", 64, 1024), ("decode", 1, 8192),
@@ -56,16 +50,8 @@ def calls(op: str, batch: int, ctx: int, backend=cpu_backend, hq: int = HQ, hkv:
 
 
 def time_case(op: str, batch: int, ctx: int, reps: int) -> dict:
-    fns = calls(op, batch, ctx)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up (first-call costs)
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    plain, capped = (statistics.median(times[n]) * 1e3 for n in ("plain", "capped"))
+    ms = interleaved_medians_ms(calls(op, batch, ctx), reps)
+    plain, capped = ms["plain"], ms["capped"]
     return {"op": op, "sequences": batch, "tokens": ctx, "uncapped ms": round(plain, 2),
             f"softcap {CAP:g} ms": round(capped, 2), "capped / uncapped":
             f"{capped / plain:.2f}x"}
@@ -83,20 +69,12 @@ def main(argv: list[str] | None = None) -> None:
         print(rows[-1], flush=True)
     if not args.save:
         return
-    meta = {"commit": git_commit(), "date": utc_now(), "torch": torch.__version__,
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "reps": args.reps, "rows": rows}
-    out = HERE / "results" / "softcap-cpu"
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    lines = [f"# Attention soft-capping, C kernels ({platform.machine()}, "
-             f"{torch.get_num_threads()} threads)", "",
-             f"commit `{meta['commit']}`, {meta['date']}, torch {torch.__version__}, "
-             "`python benchmarks/bench_softcap.py --save`", "",
-             *table_lines(list(rows[0]), rows), "",
-             f"Hq {HQ}, Hkv {HKV}, D {D} (Gemma-2-2B), bf16 cache, block size 16; median "
-             f"of {args.reps} interleaved rounds. The ratio is the cap's cost: a tanh per "
-             "score beside the score's dot product of D values."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out = save_cpu_table(
+        "softcap-cpu", "Attention soft-capping, C kernels",
+        "python benchmarks/bench_softcap.py --save", rows,
+        f"Hq {HQ}, Hkv {HKV}, D {D} (Gemma-2-2B), bf16 cache, block size 16; median of "
+        f"{args.reps} interleaved rounds. The ratio is the cap's cost: a tanh per score "
+        "beside the score's dot product of D values.", args.reps)
     print(f"wrote {out}.json/.md", file=sys.stderr)
 
 

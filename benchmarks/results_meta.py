@@ -4,8 +4,13 @@ table of their rows."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
+import platform
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,3 +41,37 @@ def header_lines(title: str, meta: dict, detail: str) -> list[str]:
     return [f"# {title}: {meta['device']}", "",
             f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, {detail}.", ""]
+
+
+def interleaved_medians_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Each call's median wall time in ms over ``reps`` rounds that run every call once in
+    turn (after one untimed warm-up each, for first-call costs), so that a busy machine
+    slows them alike and their ratios hold."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def save_cpu_table(stem: str, title: str, command: str, rows: list[dict], note: str,
+                   reps: int) -> Path:
+    """Write ``results/{stem}.json`` (provenance and ``rows``) and ``.md`` (``title`` with
+    the machine and threads, provenance, ``command``, the table, ``note``) beside this
+    file, for a CPU benchmark run with torch's threads; returns the path without suffix."""
+    import torch
+
+    meta = {"commit": git_commit(), "date": utc_now(), "torch": torch.__version__,
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "reps": reps, "rows": rows}
+    out = Path(__file__).resolve().parent / "results" / stem
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    lines = [f"# {title} ({meta['machine']}, {meta['threads']} threads)", "",
+             f"commit `{meta['commit']}`, {meta['date']}, torch {torch.__version__}, "
+             f"`{command}`", "", *table_lines(list(rows[0]), rows), "", note]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return out

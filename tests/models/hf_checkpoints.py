@@ -116,3 +116,24 @@ def assert_engine_greedy_matches(path: str, hf: Any, new_tokens: int) -> None:
     vocab = hf.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 30)]
     assert_greedy_matches_hf(llm, hf, prompts, new_tokens)
+
+
+def assert_prompt_logits_match(model: Any, cfg: Any, hf: Any, tokens: list[int],
+                               quantized: bool = False, clear_argmax: bool = False) -> None:
+    """``model``'s prompt logits over ``tokens`` (the torch reference, a paged cache)
+    against transformers' on ``hf``: within 1e-4 in fp32; with ``quantized`` weights
+    within 5% of the largest logit, and with ``clear_argmax`` the same argmax wherever
+    the top two are 0.1 apart."""
+    from tests.models.paged_sim import PagedSim
+    from tests.models.test_models import hf_logits
+
+    got = PagedSim(cfg).step(model, {0: tokens}, is_prompt=True)
+    want = hf_logits(hf, tokens)
+    if not quantized:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        return
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    if clear_argmax:
+        top2 = want.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.1
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

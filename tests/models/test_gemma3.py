@@ -17,6 +17,7 @@ from tests.checkpoints import assert_greedy_matches_hf
 from tests.models.hf_checkpoints import (
     REMOVE,
     assert_engine_greedy_matches,
+    assert_prompt_logits_match,
     folder_with,
     save_random_model,
 )
@@ -150,7 +151,6 @@ def test_gguf_file_matches_transformers(gemma3_as_llama_cpp, tmp_path, linear_ty
     global RoPE base in the metadata): its config, and its logits over 40 tokens (past
     the window of 8) against transformers. Q8_0 projections stay blocks and land near."""
     from deepinfer.models.parallel_layers import Linear
-    from tests.models.paged_sim import PagedSim
     from tests.models.tiny_gguf import write_tiny_gguf
 
     hf = gemma3_as_llama_cpp
@@ -164,17 +164,11 @@ def test_gguf_file_matches_transformers(gemma3_as_llama_cpp, tmp_path, linear_ty
     assert [cfg.layer_window(i) for i in range(6)] == [8] * 5 + [None]
     assert cfg.attention_multiplier == pytest.approx(32 ** -0.5)
     tokens = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(7)).tolist()
-    got = PagedSim(cfg).step(model, {0: tokens}, is_prompt=True)
-    want = hf_logits(hf, tokens)
     q = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(q, Linear) and (q.qtype is not None) == (linear_type is not None)
-    if linear_type is None:
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    else:  # int8 weights: near, and the same argmax where it is clear
-        assert (got - want).abs().max() < 0.05 * want.abs().max()
-        top2 = want.topk(2, -1).values
-        clear = top2[:, 0] - top2[:, 1] > 0.1
-        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    # int8 weights: near, and the same argmax where it is clear
+    assert_prompt_logits_match(model, cfg, hf, tokens, quantized=linear_type is not None,
+                               clear_argmax=True)
 
 
 def test_gguf_file_through_the_engine(gemma3_as_llama_cpp, tmp_path):
