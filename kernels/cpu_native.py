@@ -164,6 +164,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
     source = b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     err = None
+    failed: tuple[list[str], str] | None = None  # the first flag set that did not build
     for flags in _FLAG_SETS:
         key = hashlib.sha256(b"\0".join([
             source, " ".join(flags).encode(), cc.encode(), platform.machine().encode(),
@@ -175,6 +176,7 @@ def native_library() -> ctypes.CDLL | None:
             except (OSError, subprocess.SubprocessError) as exc:
                 err = str(exc)
             if err is not None:
+                failed = failed or (flags, err)
                 continue
         try:
             lib = ctypes.CDLL(str(path))
@@ -184,6 +186,10 @@ def native_library() -> ctypes.CDLL | None:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = _I64, argtypes
+        if failed is not None:  # said, not silent: this build has fewer flags, runs slower
+            warnings.warn(f"building the native CPU kernels with {' '.join(failed[0])} "
+                          f"failed ({failed[1][-300:]}); built with {' '.join(flags)}",
+                          RuntimeWarning, stacklevel=2)
         return lib
     warnings.warn(f"could not build the native CPU kernels with {cc} ({err}): the CPU "
                   "backend runs its torch path, a few times slower at decode",

@@ -256,6 +256,32 @@ int paged_decode_wide_takes(int64_t group, int64_t dim, int kind) {
            group <= 8;
 }
 
+/* One compiled copy of attend_seq16 per literal (I8, G, C), each its own function: all
+ * forty inlined into paged_decode_wide_seq made one function so large that GCC took
+ * 6-7 minutes over it with -march=native (past the build's time limit, which left the
+ * engine on the portable build); apart, they compile in seconds, and the call is once
+ * per work item. */
+#define SEQ_ARGS                                                                        \
+    const float *restrict q, const void *k_cache, const void *v_cache, int is_bf16,    \
+        const int64_t *blocks, int64_t lo, int64_t len, int64_t block_size, int64_t row, \
+        int64_t hs, int64_t h0, int64_t nh, float cap, float *restrict out
+#define DEF_SEQ(I8, G, C)                                                              \
+    static __attribute__((noinline)) void seq16_##I8##_##G##_##C(SEQ_ARGS) {            \
+        attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, lo, len, block_size, row, \
+                     hs, h0, nh, G, C, cap, out);                                        \
+    }
+#define DEF_GROUPS(I8, C)                                                               \
+    DEF_SEQ(I8, 1, C) DEF_SEQ(I8, 2, C) DEF_SEQ(I8, 3, C) DEF_SEQ(I8, 4, C)            \
+    DEF_SEQ(I8, 5, C) DEF_SEQ(I8, 6, C) DEF_SEQ(I8, 7, C) DEF_SEQ(I8, 8, C)
+DEF_GROUPS(1, 4)
+DEF_GROUPS(1, 8)
+DEF_GROUPS(0, 4)
+DEF_GROUPS(0, 8)
+DEF_GROUPS(0, 16)
+#undef DEF_GROUPS
+#undef DEF_SEQ
+#undef SEQ_ARGS
+
 /* KV heads h0 .. h0 + nh - 1 of one sequence (of num_kv_heads; group query heads each,
  * head dim `dim`), cache element `kind` (vec16.h), over its keys lo .. len - 1 (lo > 0:
  * a sliding window), scores soft-capped at softcap (> 0; 0: none): q and out hold those
@@ -269,8 +295,8 @@ int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v
     const int i8 = kind == KV_INT8, is_bf16 = kind == KV_BF16;
     const int64_t hs = i8 ? kv_int8_row(dim) : dim, row = num_kv_heads * hs;
 #define HEAD(I8, G, C)                                                                   \
-    attend_seq16(q, k_cache, v_cache, is_bf16, I8, blocks, lo, len, block_size, row, hs, \
-                 h0, nh, G, C, softcap, out);                                            \
+    seq16_##I8##_##G##_##C(q, k_cache, v_cache, is_bf16, blocks, lo, len, block_size,    \
+                           row, hs, h0, nh, softcap, out);                               \
     return 0
 #define GROUPS(I8, C)                                              \
     switch (group) {                                               \

@@ -274,6 +274,22 @@ def test_failing_compiler_warns_once_and_torch_path_runs(tmp_path):
 
 
 @needs_cc
+def test_a_build_with_fewer_flags_is_said(tmp_path):
+    """A compiler that fails on -march=native (as a build past its time limit does): the
+    portable library is built, and a warning says so instead of running it silently.
+    (-O0 last: the fastest build, this test checks the choice, not the code.)"""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    script = tmp_path / "cc_no_native"
+    script.write_text('#!/bin/sh\ncase "$*" in *-march=native*) echo "no native" >&2; '
+                      f'exit 1;; esac\nexec {cc} "$@" -O0\n')
+    script.chmod(0o755)
+    res = _child(tmp_path, CC=str(script))
+    assert res["lib"] and res["close"]
+    assert len(res["warnings"]) == 1, res["warnings"]
+    assert "-march=native failed (no native)" in res["warnings"][0]
+
+
+@needs_cc
 def test_compiler_with_a_launcher_or_flags_in_cc(tmp_path):
     """CC is split as make splits it: "gcc -O1" is a compiler and a flag, not a name."""
     cc = shutil.which("gcc") or shutil.which("cc")
