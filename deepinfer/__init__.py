@@ -12,6 +12,7 @@ Public API::
 
 from deepinfer.engine_args import EngineArgs
 from deepinfer.llm import LLM
+from deepinfer.lora import LoRARequest
 from deepinfer.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -24,4 +25,4 @@ from deepinfer.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "EngineArgs", "PoolingParams", "EmbeddingRequestOutput",
-           "EmbeddingOutput"]
+           "EmbeddingOutput", "LoRARequest"]

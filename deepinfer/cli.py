@@ -22,6 +22,7 @@ from deepinfer.distributed.tp import check_layout
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.dp_job import dp_rank
 from deepinfer.jobs.formats import FORMATS, NATIVE, job_format
+from deepinfer.jobs.input_records import lora_requests
 from deepinfer.jobs.one_engine import run_one_engine
 from deepinfer.jobs.pd_job import pd_job_rank
 from deepinfer.jobs.ray_job import run_ray_job
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "replicas, on a local Ray cluster or the one at ADDRESS")
     j.add_argument("--replicas", type=int, default=1,
                    help="engines of a --ray run (each with --tp GPUs on CUDA)")
+    j.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter folder that lines naming it ({\"lora\": "
+                   "\"NAME\"}) run with; repeat for more (the others run the base model)")
     j.add_argument("--pd", default=None, metavar="P:D",
                    help="disaggregated prefill/decode: P prompt + D completion engines, "
                         "spawned on this machine (one GPU each on CUDA), or under torchrun "
@@ -179,6 +183,19 @@ def check_ray_flags(args: argparse.Namespace, world: int) -> None:
         raise ValueError("--ray needs Ray: pip install 'deepinfer[ray]'") from None
 
 
+def check_lora_flags(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """``--lora``: the adapters parse, and the run can serve them (``enable_lora`` set on
+    ``engine_args``); ``ValueError`` naming the flag otherwise."""
+    if not lora_requests(args.lora):
+        return
+    for flag, on in (("--ray", args.ray is not None), ("--pd", args.pd is not None),
+                     ("--tp", engine_args.tensor_parallel_size > 1)):
+        if on:
+            raise ValueError(f"--lora and {flag} cannot be combined yet (one engine or "
+                             "--dp replicas serve adapters)")
+    engine_args.enable_lora = True
+
+
 def check_embed_flags(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     """``ValueError`` naming the flag for ``--embed`` / ``--dimensions`` values that
     cannot run (a ``--dimensions`` past the model's ``hidden_size`` included)."""
@@ -214,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_args = engine_args_from(args)
         engine_args.validate()
+        check_lora_flags(args, engine_args)
         check_output_path(args.input, args.output)
         check_embed_flags(args, engine_args)
         inputs, fmt = job_format(args, engine_args.model)

@@ -5,8 +5,9 @@ wait for the sampled ids -> ``Scheduler.update()`` -> stop strings, logprobs, fi
 requests. ``drain()`` steps until the work is done (``LLM``, the one-engine and DP jobs
 drive it); with ``async_scheduling`` step k+1 is launched before step k's ids reach the
 host (docs/scheduling.md, "Overlapped scheduling"). ``export_sequence`` /
-``import_sequence`` move a prefilled sequence between engines (PD). Grammars and
-multi-token bad words are masked on the host (``step_masks``), other steering on device.
+``import_sequence`` (``engine_handoff``) move a prefilled sequence between engines (PD).
+Grammars and multi-token bad words are masked on the host (``step_masks``), other
+steering on device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine_args import EngineArgs
+from deepinfer.engine_handoff import SequenceHandoff
+from deepinfer.lora.manager import LoRAManager
+from deepinfer.lora.request import LoRARequest
 from deepinfer.models.quantized import weight_bytes
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.pooling import PoolingParams, embedding_params
@@ -27,7 +31,6 @@ from deepinfer.request_state import (
     AdmissionLimits,
     RequestState,
     SampleState,
-    SequenceExport,
     prompt_score_k,
     record_embeddings,
     record_prompt_scores,
@@ -57,7 +60,7 @@ class EngineStats:
     decode_time: float = 0.0
 
 
-class LLMEngine:
+class LLMEngine(SequenceHandoff):
     """Tokenizer + scheduler + model runner for one rank. ``dp_group``: the
     ``torch.distributed`` group whose schedulers vote on each step's type (None: alone).
     ``tp``: this engine is the leader of a tensor-parallel group whose other ranks run
@@ -120,6 +123,10 @@ class LLMEngine:
         self._watched: dict[int, tuple[RequestState, SampleState]] = {}
         self._pooling: set[str] = set()  # live embedding requests (their ids)
         self.stats = EngineStats()
+        self.lora = None if not args.enable_lora else LoRAManager(
+            self.model, args.max_loras, args.max_lora_rank, spec.max_num_seqs, self.dtype,
+            self.device)
+        self.runner.lora = self.lora
 
     @property
     def weight_bytes(self) -> int:
@@ -149,12 +156,21 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None, params: SamplingParams, *,
                     messages: list[dict[str, str]] | None = None,
                     chat_template_kwargs: dict | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue one request given as text (``prompt``), token ids, or a chat
         (``messages``, the model's chat template applied, with ``chat_template_kwargs`` as
         its variables). ``pooling``: an embedding request (``params`` unused: see
-        ``embedding_params``). Raises ``ValueError`` naming it if it is malformed or
-        can never run; nothing is queued then."""
+        ``embedding_params``). ``lora_request``: the LoRA adapter it runs with (the
+        engine built with ``enable_lora``). Raises ``ValueError`` naming it if it is
+        malformed or can never run; nothing is queued then."""
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"request {request_id!r}: lora_request must be a LoRARequest, "
+                             f"got {type(lora_request).__name__}")
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"request {request_id!r}: lora_request "
+                             f"{lora_request.lora_name!r} needs an engine built with "
+                             "enable_lora=True")
         if pooling is not None:
             cfg = self.model_config
             params = embedding_params(request_id, pooling, cfg.hidden_size,
@@ -195,14 +211,19 @@ class LLMEngine:
                            frozenset(stop_ids), thinking=(chat_template_kwargs or {}).get(
                                "enable_thinking", True) is not False, steering=steering,
                            pooling=pooling)
-        if pooling is not None:
-            self._pooling.add(request_id)
         if params.structured_outputs is not None:
             # Parked until its grammar is compiled (_launch queues it), checked now as
             # _queue will: a request that can never run fails here, alone.
             validate_request(self.scheduler.config, request_id, req.prompt_token_ids,
                              params.max_tokens, n=params.n, min_tokens=params.min_tokens,
                              max_live=self.scheduler.state_manager.max_live)
+        if lora_request is not None:  # last: the adapter is held from here on
+            try:
+                req.lora = self.lora.acquire(lora_request)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from e
+        if pooling is not None:
+            self._pooling.add(request_id)
         self._watch_masks(req, stop_ids, park=True)
         if params.structured_outputs is None:
             self._queue(req)
@@ -224,7 +245,7 @@ class LLMEngine:
         self.scheduler.add_request(
             req.request_id, list(req.prompt_token_ids), max(1, p.max_tokens), n=p.n,
             stop_token_ids=sorted(req.stop_token_ids), min_tokens=p.min_tokens,
-            score_prompt=p.prompt_logprobs is not None)
+            score_prompt=p.prompt_logprobs is not None, cache_salt=req.lora)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free what it holds; False if unknown or already finished."""
@@ -245,56 +266,6 @@ class LLMEngine:
         while self._open_steps:
             out = self._open_steps.popleft()
             self.scheduler.update(out, [0] * out.num_samples)
-
-    # ------------------------------------------------------------------ hand-off (PD)
-    def export_sequence(self, seq: Sequence) -> SequenceExport:
-        """Describe a handed-off sequence (``Scheduler.take_handoffs``) for another
-        engine; its KV blocks and state row travel separately (``runner.export_kv``)."""
-        req = self.requests[seq.request_id]
-        st = req.samples[seq.sample_index]
-        return SequenceExport(
-            request_id=seq.request_id, prompt=req.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            output_token_ids=list(seq.output_token_ids), params=req.params,
-            stop_token_ids=sorted(req.stop_token_ids),
-            logprobs=st.logprobs, num_blocks=len(seq.blocks),
-            prompt_logprobs=req.prompt_logprobs, thinking=req.thinking,
-        )
-
-    def release_exported(self, seq: Sequence) -> None:
-        """Forget a sequence whose transfer completed: its blocks and slot are freed and
-        its request leaves this engine."""
-        self.scheduler.release_handoff(seq.seq_id)
-        self._forget(self.requests.pop(seq.request_id, None))
-
-    def import_sequence(self, exp: SequenceExport) -> Sequence | None:
-        """Admit a sequence exported by another engine: scheduler blocks and slot, and the
-        host state (detokenizer fed the tokens so far, logprobs, its sampling row). The
-        caller fills its blocks and slot (``runner.import_kv``) before the next step.
-        Returns None, changing nothing, when there is no room (credits)."""
-        params = exp.params
-        seq = self.scheduler.add_prefilled(
-            exp.request_id, exp.prompt_token_ids, exp.output_token_ids, params.max_tokens,
-            stop_token_ids=exp.stop_token_ids, min_tokens=params.min_tokens)
-        if seq is None:
-            return None
-        req = RequestState(exp.request_id, exp.prompt, list(exp.prompt_token_ids), params,
-                           frozenset(exp.stop_token_ids), prompt_logprobs=exp.prompt_logprobs,
-                           thinking=exp.thinking,
-                           steering=resolve_steering(exp.request_id, params, self.tokenizer,
-                                                     self.model_config.vocab_size))
-        self.requests[exp.request_id] = req
-        self._watch_masks(req, exp.stop_token_ids, park=False)
-        st = self._start_sample(req, seq)
-        if st.logprobs is not None and exp.logprobs:
-            st.logprobs.extend(exp.logprobs)
-        if st.detok is not None:
-            # As step() did on the exporting engine: the sequence is not finished, so
-            # every token went through the detokenizer.
-            for t in exp.output_token_ids:
-                st.detok.add(t)
-        self.stats.num_requests += 1
-        return seq
 
     # ------------------------------------------------------------------ the loop
     def drain(self, keep_going: Callable[[], bool] | None = None,
@@ -349,12 +320,16 @@ class LLMEngine:
                                          len(req.prompt_token_ids),
                                          tuple(req.stop_token_ids))
         self.runner.steering.write(seq.slot, req.steering)
+        if self.lora is not None:
+            self.lora.bind_slot(seq.slot, req.lora)
         return st
 
     def _forget(self, req: RequestState | None) -> None:
         """Drop the per-token watch of a request's samples (finished, aborted, sent)."""
         if req is not None and req.pooling is not None:
             self._pooling.discard(req.request_id)
+        if req is not None and req.lora:
+            self.lora.release(req.lora)
         if req is not None and self.masks.live:
             self.masks.forget(req.request_id)
         if req is not None and self._watched:

@@ -94,6 +94,13 @@ class EngineArgs:
         1, "ranks one model is split over (one GPU each on CUDA; gloo processes on CPU)",
         flag="--tp", aliases=("--tensor-parallel-size",))
     engine_type: str = option("normal", "normal, prompt or completion", cli=False)
+    enable_lora: bool = option(
+        False, "serve PEFT LoRA adapters named per request (LoRARequest; on the command "
+        "line --lora sets it)", cli=False)
+    max_loras: int = option(
+        4, "LoRA adapters kept loaded while no request uses them (those in use always "
+        "stay)")
+    max_lora_rank: int = option(64, "the largest LoRA rank an adapter may have")
     seed: int | None = option(
         None, "seed of the random stream that requests without a seed of their own draw "
         "from (None: torch's global generator)", type=int, flag="--engine-seed")
@@ -145,3 +152,18 @@ class EngineArgs:
             raise ValueError(
                 f"engine_type={self.engine_type!r}: expected normal, prompt or completion"
             )
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected a positive integer")
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1: LoRA adapters are "
+                             "served on one rank only so far (data parallel works)")
+        if self.engine_type.lower() != "normal":
+            raise ValueError("enable_lora with disaggregated prefill/decode (engine_type "
+                             f"{self.engine_type!r}): not supported so far")

@@ -11,6 +11,7 @@ from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.loading.loader import load_config
+from deepinfer.lora.request import LoRARequest
 from deepinfer.models.tensor_parallel import check_tp_size
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.pooling import PoolingParams
@@ -18,6 +19,7 @@ from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -93,20 +95,25 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs in input order.
 
-        ``sampling_params``: one for all prompts, or one per prompt. Every request is
-        validated before any work starts; an invalid one raises ``ValueError``.
+        ``sampling_params``: one for all prompts, or one per prompt. ``lora_request``
+        (an ``LLM(..., enable_lora=True)``): one ``LoRARequest`` for all prompts, or one
+        (or None: the base model) per prompt. Every request is validated before any work
+        starts; an invalid one raises ``ValueError``.
         """
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm,
+                         loras=self._loras_per_prompt(lora_request, len(prompts)))
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then ``generate``.
         ``chat_template_kwargs``: variables for the template (``{"enable_thinking":
         False}`` for Qwen3's); ``ValueError`` naming it when malformed."""
@@ -114,11 +121,13 @@ class LLM:
             messages = [messages]  # one conversation
         convs = [list(m) for m in messages]
         params = self._params_per_prompt(sampling_params, len(convs))
-        return self._run(convs, params, use_tqdm, chat_template_kwargs)
+        return self._run(convs, params, use_tqdm, chat_template_kwargs,
+                         loras=self._loras_per_prompt(lora_request, len(convs)))
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True,
+              lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
         """Embed every prompt (text, or a list of token ids): the final-normed hidden
         state of its last token (``deepinfer.pooling``), unit length unless
         ``PoolingParams(normalize=False)``; ``outputs.embedding`` is a list of floats
@@ -131,7 +140,8 @@ class LLM:
         pooling = self._params_per_prompt(pooling_params, len(prompts), PoolingParams,
                                           "pooling_params")
         unused = [SamplingParams()] * len(prompts)
-        return self._run(prompts, unused, use_tqdm, pooling=pooling)
+        return self._run(prompts, unused, use_tqdm, pooling=pooling,
+                         loras=self._loras_per_prompt(lora_request, len(prompts)))
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -158,22 +168,39 @@ class LLM:
             raise ValueError(f"{name}: expected {kind.__name__} objects, got {bad[0]}")
         return sp
 
+    @staticmethod
+    def _loras_per_prompt(lora: LoRAArg, n: int) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        if isinstance(lora, (str, bytes)) or not isinstance(lora, Sequence):
+            raise ValueError("lora_request: expected a LoRARequest, None, or one of them "
+                             f"per prompt, got {type(lora).__name__}")
+        loras = list(lora)
+        if len(loras) != n:
+            raise ValueError(f"lora_request: got {len(loras)} for {n} prompts; pass one "
+                             "LoRARequest or one (or None) per prompt")
+        return loras
+
     def _run(self, prompts: list[Prompt] | list[Messages], params: list[SamplingParams],
              use_tqdm: bool, template_kwargs: dict | None = None,
-             pooling: list[PoolingParams] | None = None) -> list:
+             pooling: list[PoolingParams] | None = None,
+             loras: list[LoRARequest | None] | None = None) -> list:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         pools = pooling or [None] * len(prompts)
+        loras = loras or [None] * len(prompts)
         try:
-            for rid, prompt, sp, pool in zip(ids, prompts, params, pools):
+            for rid, prompt, sp, pool, lora in zip(ids, prompts, params, pools, loras):
                 if isinstance(prompt, str):
-                    engine.add_request(rid, prompt, None, sp, pooling=pool)
+                    engine.add_request(rid, prompt, None, sp, pooling=pool, lora_request=lora)
                 elif prompt and isinstance(prompt[0], dict):  # a conversation (chat)
                     engine.add_request(rid, None, None, sp, messages=prompt,
-                                       chat_template_kwargs=template_kwargs)
+                                       chat_template_kwargs=template_kwargs,
+                                       lora_request=lora)
                 elif isinstance(prompt, (list, tuple)):
-                    engine.add_request(rid, None, list(prompt), sp, pooling=pool)
+                    engine.add_request(rid, None, list(prompt), sp, pooling=pool,
+                                       lora_request=lora)
                 else:
                     raise ValueError("expected a string or a list of token ids, got "
                                      f"{type(prompt).__name__}")

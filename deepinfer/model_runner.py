@@ -86,6 +86,8 @@ class ModelRunner:
                                          cfg.vocab_size, device)
         self.sampling_table = SamplingTable(spec.max_num_seqs, cfg.vocab_size)
         self.steering = SteeringTable(spec.max_num_seqs if tp.leader else 1, device)
+        #: The engine's ``deepinfer.lora.manager.LoRAManager`` (``enable_lora``), else None.
+        self.lora = None
         self._cached_sampling: tuple[np.ndarray, tuple[int, int], SamplingTensors] | None = None
         # Each slot's latest sampled id, on the device: a decode input whose token was
         # still in flight when the step was scheduled (a placeholder) is read from here.
@@ -429,7 +431,9 @@ class ModelRunner:
     def _run_model(self, is_prompt: bool, b, ids: torch.Tensor | None) -> torch.Tensor:
         """The forward over launch batch ``b``; ``ids``: resolved input ids on the
         device (None: ``b.input_ids``)."""
-        if not is_prompt and self.graphs is not None and self.graphs.can_run(b):
+        # LoRA deltas are planned per step, outside any captured graph.
+        lora = self.lora is not None and self.lora.plan(b.state_slots, b.query_start_loc)
+        if not is_prompt and not lora and self.graphs is not None and self.graphs.can_run(b):
             return self.graphs.run(b, ids)
         meta = AttentionMetadata(
             is_prompt=is_prompt,

@@ -72,6 +72,8 @@ class RequestState:
     pooling: PoolingParams | None = None
     #: Its vector, once its last prompt step ran.
     embedding: list[float] | None = None
+    #: The ``lora_int_id`` of its LoRA adapter (``deepinfer.lora``); 0: none.
+    lora: int = 0
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -22,6 +22,18 @@ import numpy as np
 ROOT_HASH = hash(("deepinfer-prefix-root",))
 
 
+def root_hash(salt: int) -> int:
+    """The chain hash a sequence's first block chains from: ``ROOT_HASH`` unsalted, one
+    of its own per ``cache_salt``."""
+    return ROOT_HASH if not salt else hash((ROOT_HASH, salt))
+
+
+def root_parent(salt: int) -> tuple[int, int] | None:
+    """The parent a first block is verified against: None unsalted, else ``(-1, salt)``,
+    so a hit is exact across salts, not only unlikely to collide."""
+    return None if not salt else (-1, salt)
+
+
 def chain_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """Hash of a full block given its parent's chain hash. Python's ``hash`` of a tuple
     holding a str varies per process: keys are only compared within one process."""
@@ -127,15 +139,16 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
     def lookup(self, hashes: list[int],
-               tokens_of: Callable[[int], tuple[int, ...]]) -> list[int]:
+               tokens_of: Callable[[int], tuple[int, ...]], salt: int = 0) -> list[int]:
         """Longest verified cached prefix: block ids for the first k of ``hashes``.
 
         ``hashes[i]`` is the chain hash of block i, ``tokens_of(i)`` its tokens (only
-        built for candidates). Does not take references (see ``take``)."""
+        built for candidates); ``salt`` the sequence's ``cache_salt``. Does not take
+        references (see ``take``)."""
         if not self.enable_caching:
             return []
         out: list[int] = []
-        parent: tuple[int, int] | None = None
+        parent: tuple[int, int] | None = root_parent(salt)
         for i, h in enumerate(hashes):
             b = self._cached.get(h)
             if b is None or self._parent[b] != parent or self._tokens[b] != tokens_of(i):
@@ -144,15 +157,18 @@ class BlockPool:
             parent = (b, self._gen[b])
         return out
 
-    def register(self, b: int, h: int, tokens: tuple[int, ...], parent_block: int) -> int:
+    def register(self, b: int, h: int, tokens: tuple[int, ...], parent_block: int,
+                 salt: int = 0) -> int:
         """Record full block ``b`` (whose parent in the cached chain is ``parent_block``,
-        -1 for the first block) under chain hash ``h``; returns the block the chain goes
+        -1 for the first block, of a sequence of ``cache_salt`` ``salt``) under chain
+        hash ``h``; returns the block the chain goes
         on from: the one that already holds ``h`` with these tokens after the same parent
         (another sequence computed the same prefix in the same step), else ``b``. A block
         already cached, or a hash held by a block of another chain, is left as it is."""
         if not self.enable_caching:
             return b
-        parent = None if parent_block < 0 else (parent_block, self._gen[parent_block])
+        parent = (root_parent(salt) if parent_block < 0
+                  else (parent_block, self._gen[parent_block]))
         return self._add(b, h, tokens, parent)
 
     def _add(self, b: int, h: int, tokens: tuple[int, ...],

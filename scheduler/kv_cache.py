@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from deepinfer_scheduler.block_manager import ROOT_HASH, BlockPool, chain_hash
+from deepinfer_scheduler.block_manager import BlockPool, chain_hash, root_hash
 from deepinfer_scheduler.sequence import Sequence
 from deepinfer_scheduler.util import cdiv
 
@@ -187,7 +187,7 @@ class KVCache:
         hashes = seq.block_hashes
         if len(hashes) < n:
             bs = self.block_size
-            h = hashes[-1] if hashes else ROOT_HASH
+            h = hashes[-1] if hashes else root_hash(seq.cache_salt)
             for i in range(len(hashes), n):
                 h = chain_hash(h, tuple(seq.token_slice(i * bs, (i + 1) * bs)))
                 hashes.append(h)
@@ -200,7 +200,8 @@ class KVCache:
             return []
         bs = self.block_size
         return self.pool.lookup(self._hashes(seq, nfull)[:nfull],
-                                lambda i: tuple(seq.token_slice(i * bs, (i + 1) * bs)))
+                                lambda i: tuple(seq.token_slice(i * bs, (i + 1) * bs)),
+                                seq.cache_salt)
 
     def register(self, seqs: Iterable[Sequence], computed: Iterable[int]) -> None:
         """Register each sequence's full blocks among its first ``computed`` tokens
@@ -247,9 +248,9 @@ class KVCache:
             if i < len(hashes):
                 h = hashes[i]
             else:
-                h = chain_hash(hashes[i - 1] if i else ROOT_HASH, toks)
+                h = chain_hash(hashes[i - 1] if i else root_hash(seq.cache_salt), toks)
                 hashes.append(h)
-            parent = pool.register(block(slot, i), h, toks, parent)
+            parent = pool.register(block(slot, i), h, toks, parent, seq.cache_salt)
         seq.num_registered = nfull
         seq.chain_tail = parent
         seq.chain_gen = pool.generation(parent)

@@ -96,11 +96,11 @@ class Scheduler:
     # ================================================================== requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, *,
                     n: int = 1, stop_token_ids: _Seq[int] = (), min_tokens: int = 0,
-                    score_prompt: bool = False) -> None:
-        """Queue a request of ``n`` samples. Raises ``ValueError`` naming the request and
-        the rule it breaks (state unchanged) if it is malformed or could never run.
-        ``score_prompt``: its prompt steps also score every prompt position
-        (``SchedulerOutputs.scores``), none of them skipped through the prefix cache."""
+                    score_prompt: bool = False, cache_salt: int = 0) -> None:
+        """Queue a request of ``n`` samples; ``ValueError`` naming it and the rule it breaks
+        (state unchanged) if it is malformed or could never run. ``score_prompt``: its
+        prompt steps also score every prompt position (``SchedulerOutputs.scores``), none
+        skipped through the prefix cache; ``cache_salt``: blocks shared within it only."""
         prompt = [int(t) for t in prompt_token_ids]
         validate_request(self.config, request_id, prompt, max_tokens, n=n,
                          min_tokens=min_tokens, max_live=self.state_manager.max_live)
@@ -109,7 +109,8 @@ class Scheduler:
             self._registry.check_new(request_id)
             seq = Sequence(self._registry.new_id(), request_id, 0, prompt, max_tokens,
                            min_tokens=min_tokens, stop_token_ids=stops, num_forks=n - 1,
-                           kv_cache=self.kv_cache, score_prompt=score_prompt)
+                           kv_cache=self.kv_cache, score_prompt=score_prompt,
+                           cache_salt=int(cache_salt))
             self._registry.add(seq)
             self.waiting.append(seq)
 

@@ -43,7 +43,9 @@ class Sequence:
     create when its prompt completes; their slots are reserved in ``reserved_slots``
     from admission on), and ``prompt_scored``: -1 when its prompt is not scored, else how
     many prompt positions have had their row scored (position p scores prompt token
-    p + 1; ``scheduler.prompt_scores``).
+    p + 1; ``scheduler.prompt_scores``). ``cache_salt``: 0, or an int that keys its
+    prefix-cache blocks apart from those of other salts (a LoRA adapter's id: the same
+    tokens give other K/V under another adapter).
     """
 
     __slots__ = (
@@ -51,13 +53,14 @@ class Sequence:
         "status", "finish_reason", "num_cached_tokens", "stop_token_ids", "max_tokens",
         "min_tokens", "slot", "kv_cache", "block_hashes", "num_registered", "num_forks",
         "reserved_slots", "admitted", "num_computed", "chain_tail", "chain_gen",
-        "prompt_scored",
+        "prompt_scored", "cache_salt",
     )
 
     def __init__(self, seq_id: int, request_id: str, sample_index: int,
                  prompt_token_ids: list[int], max_tokens: int, *, min_tokens: int = 0,
                  stop_token_ids: _Seq[int] = (), num_forks: int = 0,
-                 kv_cache: BlockRows | None = None, score_prompt: bool = False) -> None:
+                 kv_cache: BlockRows | None = None, score_prompt: bool = False,
+                 cache_salt: int = 0) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.sample_index = sample_index
@@ -82,6 +85,7 @@ class Sequence:
         self.admitted = False
         self.num_computed = 0
         self.prompt_scored = 0 if score_prompt else -1
+        self.cache_salt = cache_salt
 
     @property
     def blocks(self) -> list[int]:
@@ -119,7 +123,8 @@ class Sequence:
         parent's blocks."""
         child = Sequence(seq_id, self.request_id, sample_index, self.prompt_token_ids,
                          self.max_tokens, min_tokens=self.min_tokens,
-                         stop_token_ids=self.stop_token_ids, kv_cache=self.kv_cache)
+                         stop_token_ids=self.stop_token_ids, kv_cache=self.kv_cache,
+                         cache_salt=self.cache_salt)
         child.status = SequenceStatus.RUNNING
         child.block_hashes = list(self.block_hashes)
         child.num_registered = self.num_registered

@@ -37,7 +37,7 @@ from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import NATIVE, JobInput, job_format, warn_other_models
 from deepinfer.jobs.input_index import InputIndex, pending_stream
-from deepinfer.jobs.input_records import iter_requests
+from deepinfer.jobs.input_records import iter_requests, lora_requests
 from deepinfer.jobs.parts import merge_rank_parts, part_path
 from deepinfer.jobs.progress import RunProgress
 from deepinfer.jobs.resume import announce_resume, load_resume_state
@@ -138,7 +138,8 @@ def _dp_body(info: RankInfo, args: argparse.Namespace, engine_args: EngineArgs,
     # Created even when empty: rank 0 checks that it can see every replica's part file.
     with open(part_path(args.output, layout.replica), "a", encoding="utf-8") as out:
         requests = iter_requests(mine, default_params, args.chat, track=fmt.track,
-                                 template_kwargs=args.chat_template_kwargs)
+                                 template_kwargs=args.chat_template_kwargs,
+                                 loras=lora_requests(args.lora))
         mine_summary = run_requests(target, requests, out, fmt, show=args.show,
                                     progress=not args.no_progress and rank0,
                                     max_in_flight=max_in_flight(args, engine), total=share)

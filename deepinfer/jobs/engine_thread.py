@@ -50,7 +50,7 @@ class EngineThread:
             self.engine.add_request(rid, req.prompt, req.prompt_token_ids, req.params,
                                     messages=req.messages,
                                     chat_template_kwargs=req.chat_template_kwargs,
-                                    pooling=req.pooling)
+                                    pooling=req.pooling, lora_request=req.lora_request)
         except ValueError as e:
             fut.set_exception(ValueError(str(e).replace(rid, req.request_id)))
             return

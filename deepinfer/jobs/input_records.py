@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from deepinfer.jobs.input_lines import check_input_file, load_json_line, read_lines
+from deepinfer.lora.request import LoRARequest
 from deepinfer.pooling import PoolingParams
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import StructuredOutputsParams
@@ -51,6 +52,7 @@ class InputRecord:
     prompt_token_ids: list[int] | None = None  # OpenAI embeddings: an input of token ids
     pooling: PoolingParams | None = None  # an embedding request (--embed, /v1/embeddings)
     encoding_format: str = "float"  # OpenAI embeddings: "float" or "base64"
+    lora: str | None = None  # the name of the --lora adapter the line runs with
 
     @property
     def shown_prompt(self) -> str | Messages | list[int] | None:
@@ -114,16 +116,20 @@ def parse_jsonl_line(line: str, lineno: int) -> InputRecord:
     overrides = dict(overrides)
     overrides.update({k: v for k, v in obj.items() if k in SAMPLING_KEYS})
     unknown = set(obj) - SAMPLING_KEYS - {"id", "prompt", "messages", "sampling_params",
-                                          "response_format", "chat_template_kwargs"}
+                                          "response_format", "chat_template_kwargs", "lora"}
     if unknown:
         return InputRecord(id=rid, error=f"line {lineno}: unknown keys {sorted(unknown)}")
+    lora = obj.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        return InputRecord(id=rid, error=f"line {lineno}: 'lora' must be the name of a "
+                                         f"--lora adapter, got {json.dumps(lora)}")
     try:
         structured_overrides(overrides, obj.get("response_format"))
         kwargs = check_template_kwargs(obj.get("chat_template_kwargs"))
     except ValueError as e:
         return InputRecord(id=rid, error=f"line {lineno}: {e}")
     return InputRecord(id=rid, prompt=prompt, messages=messages, overrides=overrides,
-                       chat_template_kwargs=kwargs or None)
+                       chat_template_kwargs=kwargs or None, lora=lora)
 
 
 def structured_overrides(overrides: dict[str, Any], response_format: Any) -> None:
@@ -180,12 +186,14 @@ class JobRequest:
     shown: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     pooling: PoolingParams | None = None  # an embedding request
+    lora_request: LoRARequest | None = None  # its adapter (a line's "lora")
 
 
 def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,
                   check: Callable[[str, SamplingParams], None] | None = None,
                   template_kwargs: dict[str, Any] | None = None,
-                  track: Callable[[InputRecord], None] | None = None
+                  track: Callable[[InputRecord], None] | None = None,
+                  loras: dict[str, LoRARequest] | None = None
                   ) -> Iterator[JobRequest]:
     """One ``JobRequest`` per record, in order and lazily (``resolve_record``); a bad
     line, invalid sampling values or a ``ValueError`` from ``check(id, params)`` (what a
@@ -193,7 +201,8 @@ def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams
     chat template variables of every chat record (``--chat-template-kwargs``), a
     record's own taking precedence key by key. ``track(record)``: called for each record
     as it becomes a request (an OpenAI output format keeps it until its line is
-    written)."""
+    written). ``loras``: the ``--lora`` adapters by name, which a line's ``lora`` names
+    (any other name is that line's error)."""
     for rec in records:
         if track is not None:
             track(rec)
@@ -204,6 +213,7 @@ def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams
             params, prompt, messages = resolve_record(rec, default_params, chat)
             if check is not None:
                 check(rec.id, params)
+            lora = _lora_of(rec, loras)
         except ValueError as e:
             yield JobRequest(rec.id, error=str(e))
             continue
@@ -211,7 +221,33 @@ def iter_requests(records: Iterable[InputRecord], default_params: SamplingParams
         yield JobRequest(rec.id, prompt=prompt, prompt_token_ids=rec.prompt_token_ids,
                          messages=messages, params=params, shown=rec.shown_prompt,
                          chat_template_kwargs=kwargs if messages else None,
-                         pooling=rec.pooling)
+                         pooling=rec.pooling, lora_request=lora)
+
+
+def _lora_of(rec: InputRecord, loras: dict[str, LoRARequest] | None) -> LoRARequest | None:
+    if rec.lora is None:
+        return None
+    if not loras:
+        raise ValueError(f"lora {rec.lora!r}: no adapters were given (--lora NAME=PATH)")
+    if rec.lora not in loras:
+        raise ValueError(f"lora {rec.lora!r} is not one of the --lora names "
+                         f"({', '.join(loras)})")
+    return loras[rec.lora]
+
+
+def lora_requests(specs: list[str] | None) -> dict[str, LoRARequest]:
+    """``--lora NAME=PATH`` values -> the adapters by name, numbered in the order given
+    (the same ids on every rank). ``ValueError`` naming the flag for a malformed or
+    repeated name."""
+    out: dict[str, LoRARequest] = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH (an adapter folder)")
+        if name in out:
+            raise ValueError(f"--lora {spec!r}: the name {name!r} is given twice")
+        out[name] = LoRARequest(name, len(out) + 1, path)
+    return out
 
 
 def to_requests(records: Iterable[InputRecord], default_params: SamplingParams, chat: bool,

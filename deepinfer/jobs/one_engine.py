@@ -13,7 +13,7 @@ from deepinfer.engine import LLMEngine
 from deepinfer.engine_args import EngineArgs
 from deepinfer.jobs.formats import warn_other_models
 from deepinfer.jobs.input_index import InputIndex, pending_stream
-from deepinfer.jobs.input_records import InputRecord, iter_requests
+from deepinfer.jobs.input_records import InputRecord, iter_requests, lora_requests
 from deepinfer.jobs.output_records import NATIVE
 from deepinfer.jobs.parts import merge_outputs
 from deepinfer.jobs.resume import announce_resume, load_resume_state
@@ -42,7 +42,8 @@ def run_one_engine(args: argparse.Namespace, engine_args: EngineArgs,
     engine = LLMEngine(engine_args)
     with open(args.output, "a", encoding="utf-8") as out:
         requests = iter_requests(pending_stream(inputs, done), default_params, args.chat,
-                                 template_kwargs=args.chat_template_kwargs, track=fmt.track)
+                                 template_kwargs=args.chat_template_kwargs, track=fmt.track,
+                                 loras=lora_requests(args.lora))
         summary = run_requests(RunTarget(engine), requests, out, fmt, show=args.show,
                                progress=not args.no_progress,
                                max_in_flight=max_in_flight(args, engine), total=pending)

@@ -38,7 +38,7 @@ class RunTarget:
         self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids,
                                 req.params, messages=req.messages,
                                 chat_template_kwargs=req.chat_template_kwargs,
-                                pooling=req.pooling)
+                                pooling=req.pooling, lora_request=req.lora_request)
 
     def total(self, queued: int) -> int:
         """The progress bar's total when this process has ``queued`` records to run."""

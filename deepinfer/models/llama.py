@@ -136,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
             device=device)
         # A backend's fused decode step over all the layers, where it has one.
         self.decoder_stack = DecoderStackBinding()
+        # Set per step by deepinfer.lora: the step's tokens get adapter deltas, which the
+        # fused decode step (it reads the base weights only) does not add.
+        self.lora_active = False
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -169,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self._embedding_scale(x.dtype)
-        if not meta.is_prompt:
+        if not meta.is_prompt and not self.lora_active:
             hidden = self.decoder_stack.run(self, backend, x, positions, kv_cache,
                                             meta.slot_mapping, meta.block_tables,
                                             meta.seq_lens)
@@ -241,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
             if is_expert_tensor(name):
                 loaded.update(load_expert_tensor(params, name, tensor, self.tp))
                 continue
-            target, offset, rows = self._fused_target(name)
+            target, offset, rows = self.fused_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
@@ -305,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
             if stack is not None:
                 experts.setdefault(stack[0], {})[name] = qtype
                 continue
-            target = self._fused_target(canonical_moe_name(name))[0]
+            target = self.fused_target(canonical_moe_name(name))[0]
             groups.setdefault(target, []).append((name, qtype))
         modules = dict(self.named_modules())
         keep: set[str] = set()
@@ -323,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
                 keep_quantized(module, parts[0][1], parts[0][0])
             else:  # a fused layer of mixed types: each part its own blocks
                 keep_quantized_parts(module, [
-                    (*self._fused_target(canonical_moe_name(n))[1:], q, n) for n, q in parts])
+                    (*self.fused_target(canonical_moe_name(n))[1:], q, n) for n, q in parts])
             keep.update(name for name, _ in parts)
         return keep
 
@@ -370,9 +373,9 @@ class LlamaForCausalLM(nn.Module):
                 keys.add(name)
         return keys
 
-    def _fused_target(self, name: str) -> tuple[str, int | None, int]:
-        """HF name -> (our parameter name, row offset inside a fused parameter or None,
-        that part's number of rows)."""
+    def fused_target(self, name: str) -> tuple[str, int | None, int]:
+        """HF name (``model.layers.0.self_attn.k_proj.weight``) -> (our parameter name,
+        row offset inside a fused parameter or None, that part's number of rows)."""
         a = self.model.layers[0].self_attn if len(self.model.layers) else None
         q, kv = (a.q_size, a.kv_size) if a else (0, 0)
         sizes = local_sizes(self.config, self.tp)

@@ -7,7 +7,11 @@ both are the plain layers, with no collective.
 Either layer's weight may be kept as GGUF blocks (:mod:`deepinfer.models.quantized`):
 ``weight`` is then uint8 ``[out, row_bytes]`` and ``qtype`` its ggml type id, and the
 products go through the kernel bound to it (``bound_matmul``, ``gguf_rows``). A dense
-bfloat16 weight on the CPU gets a ``bound_matmul`` too (:mod:`deepinfer.models.dense_kernels`)."""
+bfloat16 weight on the CPU gets a ``bound_matmul`` too (:mod:`deepinfer.models.dense_kernels`).
+
+A ``Linear`` may carry a ``lora`` hook (``deepinfer.lora.layer``): ``(x, y) -> y`` plus
+this step's adapter deltas, applied to the product before a row-parallel all-reduce (the
+delta of this rank's input columns is a partial sum like the product's)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from deepinfer.models.tensor_parallel import SINGLE, TPGroup
 MatmulFn = Callable[[torch.Tensor], torch.Tensor]
 #: block rows uint8 ``[T, row_bytes]`` -> their weights ``[T, K]`` in the model dtype.
 RowsFn = Callable[[torch.Tensor], torch.Tensor]
+#: ``(x [M, K], y [M, N])`` -> ``y`` with LoRA adapter deltas added (may be in place).
+LoRAHook = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -40,22 +46,26 @@ class Linear(nn.Linear):
     #: bound kernels read them then.
     rows16: bool = False
     bound_matmul: MatmulFn | None = None
+    #: LoRA adapters' deltas for this step's tokens (``deepinfer.lora``), else None.
+    lora: LoRAHook | None = None
 
     def reset_parameters(self) -> None:
         pass
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[M, in]`` -> ``x @ W.T`` ``[M, out]`` in x's dtype, without the bias."""
-        if self.bound_matmul is None:
-            return F.linear(x, self.weight)
-        return self.bound_matmul(x)
+        """x ``[M, in]`` -> ``x @ W.T`` ``[M, out]`` in x's dtype (plus the LoRA deltas),
+        without the bias."""
+        y = F.linear(x, self.weight) if self.bound_matmul is None else self.bound_matmul(x)
+        return y if self.lora is None else self.lora(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in]`` -> ``[M, out]``."""
         if self.bound_matmul is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.bound_matmul(x)
-        return y if self.bias is None else y + self.bias
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.bound_matmul(x)
+            y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else self.lora(x, y)
 
 
 class Embedding(nn.Embedding):
