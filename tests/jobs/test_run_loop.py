@@ -32,7 +32,7 @@ class StandInEngine:
         self.queued: list[tuple] = []
 
     def add_request(self, rid, prompt, prompt_token_ids, params, *, messages=None,
-                    chat_template_kwargs=None, pooling=None) -> None:
+                    chat_template_kwargs=None, pooling=None, lora_request=None) -> None:
         if rid in self.refuse:
             raise ValueError(f"request {rid!r}: too long")
         self.queued.append((rid, prompt, messages, params))

@@ -11,6 +11,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig
 from deepinfer.models.decoder_stack import decoder_stack_spec
+from deepinfer_kernels import cpu_gguf
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -89,6 +90,7 @@ def test_greedy_tokens_match_transformers(tmp_path, residual):
         assert logprobs == pytest.approx(want_lp, abs=1e-4)
 
 
+@pytest.mark.skipif(not cpu_gguf.bf16_gemm(), reason="no AVX512-BF16: dense weights unbound")
 @pytest.mark.parametrize("residual", [1.0, 0.4])
 def test_fused_decode_step_equals_layer_by_layer(tmp_path, residual, monkeypatch):
     """bfloat16 (the CPU's fused decode step takes bf16 or GGUF weights): the embedding
