@@ -42,7 +42,6 @@ import torch
 from results_meta import save_cpu_table, table_lines
 from throughput_workload import Workload, make_workload
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_REQUESTS, MIN_LEN, MAX_LEN, SEED = 16, 16, 64, 0
 REPS, SINGLE_REPS = 2, 2
 SINGLE_TOKENS = 128
@@ -60,8 +59,9 @@ def save_adapter(model_config, path: str, rank: int, seed: int, std: float = 0.0
     """A PEFT LoRA adapter of rank ``rank`` (alpha 2 r) on all seven projections of a
     Llama of ``model_config``'s shapes (the engine's ``ModelConfig``), A and B from
     N(0, ``std``), saved under ``path``; returns ``path``."""
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepinfer.testing.lora_adapters import save_random_peft_adapter
 
     mc = model_config
     cfg = LlamaConfig(hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
@@ -71,14 +71,7 @@ def save_adapter(model_config, path: str, rank: int, seed: int, std: float = 0.0
     with torch.device("meta"):  # the base weights are not saved: skip their init
         base = LlamaForCausalLM(cfg)
     base.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank,
-                                                 target_modules=list(PROJECTIONS)))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                p.normal_(0.0, std)
-    peft_model.save_pretrained(path)
+    save_random_peft_adapter(base, path, seed, rank, 2 * rank, std=std)
     return path
 
 

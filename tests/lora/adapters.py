@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                   "down_proj")
+from deepinfer.testing.lora_adapters import ALL_PROJECTIONS, save_random_peft_adapter
 
 
 def save_peft_adapter(hf_model: Any, path: str, seed: int, r: int = 4, alpha: float = 8,
@@ -18,17 +17,8 @@ def save_peft_adapter(hf_model: Any, path: str, seed: int, r: int = 4, alpha: fl
                       **config: Any) -> Any:
     """A PEFT LoRA adapter on a copy of ``hf_model`` (its A and B drawn from N(0, std)),
     saved under ``path``; returns the PEFT model (fp32, eval)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), **config)
-    peft_model = get_peft_model(copy.deepcopy(hf_model), cfg).eval()
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                p.normal_(0.0, std)
-    peft_model.save_pretrained(path)
-    return peft_model
+    return save_random_peft_adapter(copy.deepcopy(hf_model), path, seed, r, alpha, targets,
+                                    std, **config)
 
 
 def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
