@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_meta import git_commit, header_lines, table_lines, utc_now
+from results_meta import git_commit, header_lines, table_lines, utc_now, vector_isa
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Write a short story about a robot."
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="batch sizes of the decode-step scan ('' for none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--tag", default="",
+                    help="appended to the results file's name (e.g. avx2: another CPU class)")
     ap.add_argument("--breakdown", action="store_true",
                     help="only the per-token breakdown of single-stream decode (ms)")
     a = ap.parse_args(argv)
@@ -342,10 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": f"CPU ({platform.processor() or platform.machine()}, "
                       f"{torch.get_num_threads()} threads)", "commit": git_commit(),
             "date": utc_now(), "torch": torch.__version__, "triton": "n/a",
-            "model": os.path.basename(path), "copy_gb_s": round(bandwidth / 1e9, 2)}
+            "model": os.path.basename(path), "copy_gb_s": round(bandwidth / 1e9, 2),
+            "vector_isa": vector_isa()}
     if a.save:
         stem = "quant-cpu" if a.model is None else (
             "quant-cpu-" + os.path.basename(a.model).removesuffix(".gguf"))
+        stem += f"-{a.tag}" if a.tag else ""
         _save(meta, kernels, engines, peer, parts, n, k, scan, stem)
 
 
@@ -357,7 +361,8 @@ def _save(meta: dict, kernels: list[dict], engines: list[dict], peer: dict | Non
         {"meta": meta, "kernels": kernels, "engines": engines, "breakdown_ms": parts,
          "decode_steps": scan, "llamacpp": peer and peer["raw"]}, indent=1) + "\n")
     lines = header_lines("GGUF weights kept quantized", meta,
-                         f"{meta['model']}, copy bandwidth {meta['copy_gb_s']} GB/s read")
+                         f"{meta['model']}, copy bandwidth {meta['copy_gb_s']} GB/s read, "
+                         f"{meta['vector_isa']}")
     lines += ["## End to end (single stream, 128 tokens, greedy)", ""]
     cols = sorted({c for r in engines for c in r}, key=lambda c: list(engines[0]).index(c)
                   if c in engines[0] else 99)

@@ -24,6 +24,21 @@ def git_commit() -> str:
         return os.environ.get("GIT_COMMIT", "unknown")
 
 
+def vector_isa() -> str:
+    """The CPU's widest vector instructions that the native kernels use, from
+    /proc/cpuinfo ("AVX512-VNNI+BF16", "AVX512-VNNI", "AVX2" or "no AVX2"): results
+    from different classes are not comparable, and their files say which."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f
+                          if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    if "avx512_vnni" in flags:
+        return "AVX512-VNNI+BF16" if "avx512_bf16" in flags else "AVX512-VNNI"
+    return "AVX2" if "avx2" in flags else "no AVX2"
+
+
 def utc_now() -> str:
     """ISO 8601 UTC timestamp, to the second."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

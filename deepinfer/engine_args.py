@@ -47,7 +47,7 @@ class EngineArgs:
     dtype: str = option("auto", "weights and activations: auto, float32, float16 or "
                         "bfloat16 (auto: the checkpoint's on CUDA, bf16 for GGUF; on CPU "
                         "bf16 for GGUF/bf16 checkpoints where the CPU has native bf16, "
-                        "else float32)")
+                        "bf16 for GGUF kept quantized where it has AVX2, else float32)")
     quantization: str = option(
         "auto", "GGUF weights: auto keeps them as stored (4-8 bits) where the device has a "
         "kernel for the type (CPU: every type), dequantizing the others with a warning; "

@@ -7,7 +7,7 @@ Paths, picked by the activations' dtype and the number of rows M (measured with
 - M < ``LARGE_M`` (single-stream decode): the C kernel reads the weights as stored (4-8
   bits a weight) and decodes each row into fp32 once for all M rows; a step's cost is
   the bytes of the file, not of a dequantized copy. For 16-bit activations, every type
-  takes ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has VNNI (``int8_types()``): x is
+  takes ``kernels/csrc/gguf_int8_cpu.c`` where the CPU has AVX2 (``int8_types()``): x is
   quantized per block of 32 to int8 and multiplied with the weight codes by integer dot
   products, as llama.cpp does, ~4x fewer instructions a weight than decoding to fp32
   (a K-quant as sub-blocks of 32, Q6_K with a scale per half). Its error, at most half
@@ -19,10 +19,12 @@ Paths, picked by the activations' dtype and the number of rows M (measured with
   row against it. No dequantized copy of the weight is ever whole; on 2 cores it runs
   at the speed of torch's bf16 GEMM on a dequantized weight from memory, or faster
   (batched decode: 1.2x the throughput of dequantize-at-load).
-- Otherwise, from ``LARGE_M`` rows (fp16 activations, or bf16 without AVX512-BF16) or
-  ``FP32_TILE_MIN_M`` (fp32: the exact kernel up to 32 rows): the weight is dequantized
-  by the C kernel into a reused tile in the activations' dtype and multiplied by torch's
-  BLAS.
+- Otherwise, from ``tile_min_rows(dtype)`` rows: the weight is dequantized by the C
+  kernel into a reused tile and multiplied by torch's BLAS. The tile is fp32 unless the
+  CPU has AVX512-BF16 (a bf16 BLAS without it is emulated: 3-4x slower than fp32's).
+  fp32 activations keep the exact kernel up to 32 rows (``FP32_TILE_MIN_M``); 16-bit
+  ones the int8 kernel up to 63 (``INT8_TILE_MIN_M``) where the CPU has it but no bf16
+  GEMM (AVX2, or VNNI without AVX512-BF16), else up to ``LARGE_M - 1``.
 
 All accumulate in fp32. ``bind_gguf_matmul`` checks a weight once and returns the
 per-call function a layer keeps (the plan/run split: a decoder makes ~120 of these calls
@@ -42,7 +44,7 @@ from deepinfer_kernels.gguf_blocks import BLOCK_FORMATS
 from deepinfer_kernels.validation import check_gguf_blocks, check_gguf_matmul_args, fail
 from deepinfer_kernels.workspace import scratch
 
-__all__ = ["FP32_TILE_MIN_M", "INT8_MAX_M", "LARGE_M", "available", "bf16_gemm",
+__all__ = ["FP32_TILE_MIN_M", "INT8_MAX_M", "INT8_TILE_MIN_M", "LARGE_M", "available", "bf16_gemm",
            "bind_gguf_matmul", "dequantize_gguf", "gguf_matmul", "int8_types", "kernel_types",
            "tile_min_rows"]
 
@@ -65,6 +67,13 @@ FP32_TILE_MIN_M = 33
 #: Measured on the default model's decode steps (2 cores, fused step, A/B in one
 #: process): at 2 sequences the int8 kernel is 1.1-1.35x faster, at 3 the GEMM by ~4%.
 INT8_MAX_M = 2
+#: 16-bit activations on a CPU with the int8 kernel but no bf16 GEMM: the rows from which
+#: a weight is dequantized into an fp32 tile for torch's BLAS instead. Measured (2-core
+#: AVX2 EPYC, best of 5, int8 / fp32 tile ms; Q4_1 1536x576 and 576x1536, Q8_0 49152x576):
+#: 16 rows 0.38 / 1.00, 0.42 / 0.96, 10.7 / 71.7; 64 rows 1.47 / 1.48, 1.58 / 1.41,
+#: 44.1 / 92.5; 256 rows 5.8 / 3.4, 6.5 / 3.3. The bf16 tile it replaced took 1.2 s a
+#: decode step of 64 sequences (torch's bf16 BLAS without AVX512-BF16).
+INT8_TILE_MIN_M = 64
 _DIRECT = (torch.float32, torch.bfloat16)  # x and out dtypes the C kernel reads and writes
 _ERRORS = {1: "an unknown GGUF type", 2: "a row that is not whole blocks",
            3: "out of memory for a row buffer", 4: "no bf16 GEMM in this build"}
@@ -77,7 +86,7 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def int8_types() -> frozenset[int]:
-    """ggml type ids with the int8-activation path on this CPU (empty without VNNI)."""
+    """ggml type ids with the int8-activation path on this CPU (empty without AVX2)."""
     lib = native_library()
     if lib is None:
         return frozenset()
@@ -151,9 +160,18 @@ def _uses_gemm(m: int, dtype: torch.dtype, qtype: int) -> bool:
 
 def tile_min_rows(dtype: torch.dtype) -> int:
     """Rows of ``dtype`` activations from which a weight without the bf16 GEMM is
-    dequantized into a tile for torch's BLAS: ``FP32_TILE_MIN_M`` for float32, else
-    ``LARGE_M``."""
-    return FP32_TILE_MIN_M if dtype == torch.float32 else LARGE_M
+    dequantized into a tile for torch's BLAS: ``FP32_TILE_MIN_M`` for float32;
+    ``INT8_TILE_MIN_M`` for 16-bit activations where the int8 kernel exists without the
+    bf16 GEMM (every type has the int8 kernel where one has); else ``LARGE_M``."""
+    if dtype == torch.float32:
+        return FP32_TILE_MIN_M
+    return INT8_TILE_MIN_M if int8_types() and not bf16_gemm() else LARGE_M
+
+
+def _tile_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The tile's dtype: bf16 for bf16 activations on a CPU with native bf16 (the bf16
+    GEMM's build), fp32 otherwise (torch's bf16 BLAS is emulated there)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm() else torch.float32
 
 
 def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
@@ -169,7 +187,7 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
             res.data_ptr(), res.stride(0), 1, torch.get_num_threads()), "gguf_matmul")
         return res if direct or out is None else out.copy_(res)
     if m >= tile_min_rows(x.dtype):
-        tile_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        tile_dtype = _tile_dtype(x.dtype)
         w = scratch("gguf-tile", n * k, tile_dtype).view(n, k)
         _dequantize_into(blocks, qtype, k, w)
         y = F.linear(x.to(tile_dtype), w)

@@ -43,8 +43,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # decode step's whole stack of layers made of them, and token sampling.
 SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "gguf_cpu.c", _CSRC / "gguf_int8_cpu.c", _CSRC / "gguf_gemm_bf16_cpu.c",
-           _CSRC / "gguf_rows16_cpu.c", _CSRC / "gguf_rows16_pack.c",
-           _CSRC / "gguf_rows16_q6k.c", _CSRC / "paged_prefill_cpu.c",
+           _CSRC / "gguf_rows16_cpu.c", _CSRC / "gguf_rows16_avx2.c",
+           _CSRC / "gguf_rows16_pack.c", _CSRC / "gguf_rows16_q6k.c",
+           _CSRC / "paged_prefill_cpu.c",
            _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
@@ -180,8 +181,9 @@ def native_library() -> ctypes.CDLL | None:
                 continue
         try:
             lib = ctypes.CDLL(str(path))
-        except OSError as exc:
+        except OSError as exc:  # e.g. an undefined symbol: said as a build that failed
             err = str(exc)
+            failed = failed or (flags, err)
             continue
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)

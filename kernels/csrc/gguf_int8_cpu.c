@@ -1,7 +1,8 @@
-/* GGUF matmul with int8 activations, for 16-bit activations on CPUs with VNNI: each x
+/* GGUF matmul with int8 activations, for 16-bit activations on CPUs with AVX2: each x
  * row is quantized per block of 32 to int8 with one fp32 scale (round to nearest), and
  * the weights' 4- or 8-bit codes are multiplied with it by integer dot products
- * (vpdpbusd: 32 products summed into 8 lanes per instruction), as llama.cpp does.
+ * (vpdpbusd with VNNI: 32 products summed into 8 lanes per instruction; else two AVX2
+ * instructions), as llama.cpp does.
  *
  * Why: the exact path (gguf_cpu.c) decodes every weight to fp32 and is compute-bound on
  * 2 cores at about half the memory bandwidth; integer dot products take ~4x fewer
@@ -25,7 +26,11 @@
 
 #include "vec16.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+/* VNNI (AVX512-VNNI with VL) sums 4 u8 x s8 products a lane in one instruction; plain AVX2
+ * takes two (vpmaddubsw into int16 pairs, vpmaddwd by ones into int32), as llama.cpp's
+ * AVX2 path does. The pairs cannot saturate: codes are at most 63 (Q6_K) or, Q8_0's
+ * with their sign moved to x, 128, and x codes at most 127: 2 * 128 * 127 < 32767. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_INT8 1
 #endif
@@ -34,7 +39,7 @@
 #define BAD_SHAPE 2
 #define NO_MEMORY 3
 
-/* Bit i set: ggml type id i has the int8 path in this build (none without VNNI). */
+/* Bit i set: ggml type id i has the int8 path in this build (none without AVX2). */
 int64_t gguf_int8_types(void) {
 #ifdef HAVE_INT8
     return (1 << 2) | (1 << 3) | (1 << 6) | (1 << 7) | (1 << 8) | (1 << 12) | (1 << 13) |
@@ -203,13 +208,20 @@ static inline wblock load_block(int32_t qtype, const uint8_t *row, int64_t b) {
     }
 }
 
+/* u8 x s8 products summed by four into 8 int32 lanes (lane i: bytes 4i..4i+3). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 /* The integer dot product of a block's codes with 32 x codes (8 int32 lanes). */
 static inline __m256i block_dot(int32_t qtype, __m256i codes, __m256i xv) {
-    const __m256i zero = _mm256_setzero_si256();
     if (qtype == 8)
-        return _mm256_dpbusd_epi32(zero, _mm256_sign_epi8(codes, codes),
-                                   _mm256_sign_epi8(xv, codes));
-    return _mm256_dpbusd_epi32(zero, codes, xv);
+        return dot_u8s8(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(xv, codes));
+    return dot_u8s8(codes, xv);
 }
 
 /* One weight row against R (1..4) quantized x rows, k apart: each block's codes are

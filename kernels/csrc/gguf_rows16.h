@@ -12,7 +12,8 @@
  *   Q5_0  d[16], then qh (bit j: weight j's fifth bit), then Q4_0's 4 vectors
  *   Q5_1  d[16], m[16], then qh and the 4 vectors
  *   Q8_0  d[16], then 8 vectors q: lane i = weights 4q..4q+3 of row i, each + 128 (xor
- *         0x80: unsigned, as vpdpbusd wants)
+ *         0x80: unsigned, as vpdpbusd wants) in AVX512 builds; as stored (signed) in
+ *         AVX2 ones, whose vpmaddubsw would saturate on 255 * 127 * 2
  *   Q4_K  per super-block of 256: d[16], dmin[16], then 35 vectors: 3 of packed 6-bit
  *         scales and mins, 32 of codes
  *   Q5_K  per super-block of 256: d[16], dmin[16], then 43 vectors: Q4_K's 3 of scales
@@ -25,10 +26,18 @@
 
 #include <stdint.h>
 
+/* Two builds of the products: AVX512-VNNI (gguf_rows16_cpu.c, gguf_rows16_q6k.c: a group
+ * is one 16-lane vector), or AVX2 (gguf_rows16_avx2.c: each group as two halves of 8
+ * rows, Q6_K left to the row-major kernels). The packing is the same C for both. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && \
     defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_ROWS16 1
+#define ROWS16_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_ROWS16 1
+#define ROWS16_AVX2 1
 #endif
 
 #define BAD_TYPE 1
@@ -44,6 +53,12 @@
 #define Q5_K 13
 #define Q6_K 14
 
+#ifdef ROWS16_AVX512
+#define Q8_FLIP 0x80
+#else
+#define Q8_FLIP 0
+#endif
+
 /* A block as fp16 fields and 32-bit words: `halves` fp16 at byte `half_at`, `words`
  * words at byte `word_at` (every other byte; Q8_0's flipped by `flip`). */
 typedef struct {
@@ -54,7 +69,7 @@ typedef struct {
 static inline int layout_of(int32_t qtype, layout *l) {
     static const layout q4_0 = {18, 32, 0, 1, 2, 4, 0}, q4_1 = {20, 32, 0, 2, 4, 4, 0},
                         q5_0 = {22, 32, 0, 1, 2, 5, 0}, q5_1 = {24, 32, 0, 2, 4, 5, 0},
-                        q8_0 = {34, 32, 0, 1, 2, 8, 0x80}, q4_k = {144, 256, 0, 2, 4, 35, 0},
+                        q8_0 = {34, 32, 0, 1, 2, 8, Q8_FLIP}, q4_k = {144, 256, 0, 2, 4, 35, 0},
                         q5_k = {176, 256, 0, 2, 4, 43, 0}, q6_k = {210, 256, 208, 1, 0, 52, 0};
     switch (qtype) {
     case Q4_0: *l = q4_0; return 1;
@@ -68,6 +83,9 @@ static inline int layout_of(int32_t qtype, layout *l) {
     default: *l = (layout){0, 1, 0, 0, 0, 0, 0}; return 0;
     }
 }
+
+/* Bit i set: ggml type id i has a row-group kernel in this build (gguf_rows16_pack.c). */
+int64_t gguf_rows16_types(void);
 
 /* A [n, k] weight's blocks per row and bytes per block; 0, BAD_TYPE or BAD_SHAPE (n not
  * whole groups, k not whole blocks). */
@@ -96,7 +114,23 @@ typedef struct {
  * into out at column j0 (rows ldo apart), fp32 or bf16 (out_bf16). */
 typedef void group_fn(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,
                       void *out, int64_t ldo, int64_t j0, int out_bf16);
+
+/* Each build's: its kernels for `qtype` by x rows (index 1..XR), and the x quantizer: one
+ * x row -> int8 codes q [nx * 32], per block of 32 its scale dx [nx] (x ~= dx * q) and
+ * dx * (sum of its codes) sx [nx], and the codes' sums per 16 hx [2 nx]. The codes are
+ * those of gguf_int8_cpu.c's quantizer: 127 / amax times x, rounded to nearest even. */
+group_fn *const *rows16_kernels(int32_t qtype);
+void rows16_quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *dx,
+                         float *sx, int32_t *hx);
+
+#ifdef ROWS16_AVX2
+#define XR 4 /* x rows a kernel call: 4 fp32 outputs + 4 int32 sums + weights in 16 ymm */
+#else
 #define XR 8 /* x rows a kernel call: 8 fp32 outputs + 8 int32 sums + weights in 32 zmm */
+#endif
+#endif /* HAVE_ROWS16 */
+
+#ifdef ROWS16_AVX512
 
 /* Q6_K (gguf_rows16_q6k.c): its int8 kernels by x rows, and its many-row path, the
  * whole product with each group decoded to bf16 once (AVX512-BF16 builds). */
@@ -128,6 +162,6 @@ static inline void store16(void *out, int64_t at, __m512 v, int out_bf16) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(r));
 #endif
 }
-#endif /* HAVE_ROWS16 */
+#endif /* ROWS16_AVX512 */
 
 #endif

@@ -1,7 +1,8 @@
 /* GGUF weights repacked in groups of 16 rows (gguf_rows16.h; packed by
  * gguf_rows16_pack.c) times int8-quantized activations (AVX512-VNNI), for any number of
- * x rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K here, Q6_K in gguf_rows16_q6k.c.
- * Built with the other C kernels by kernels/cpu_native.py.
+ * x rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K here, Q6_K in gguf_rows16_q6k.c;
+ * and the product's driver, which AVX2 builds share (their kernels and x quantizer:
+ * gguf_rows16_avx2.c). Built with the other C kernels by kernels/cpu_native.py.
  *
  * Why: the row-major blocks make every product pay for a layout change. The int8 GEMV
  * sums each row's lanes at the end of each dot product, and the bf16 GEMM decodes each
@@ -29,17 +30,15 @@
 
 #include "gguf_rows16.h"
 
-#ifdef HAVE_ROWS16
+#ifdef ROWS16_AVX512
 static inline __m512 load16(const void *x, int64_t i, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)x + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* One x row -> int8 codes q [nx * 32], per block of 32 its scale dx [nx] (x ~= dx * q)
- * and dx * (sum of its codes) sx [nx], and the codes' sums per 16 hx [2 nx]. The codes
- * are those of gguf_int8_cpu.c's quantizer: 127 / amax times x, rounded to nearest even. */
-static void quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *dx,
+/* gguf_rows16.h says what it writes. */
+void rows16_quantize_row(const void *x, int bf16, int64_t nx, int8_t *q, float *dx,
                          float *sx, int32_t *hx) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t b = 0; b < nx; b++) {
@@ -238,7 +237,15 @@ static group_fn *const Q5K_FNS[XR + 1] = {NULL, q5k_1, q5k_2, q5k_3, q5k_4, q5k_
                                           q5k_7, q5k_8};
 static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_6, q5_7,
                                          q5_8};
-#endif
+
+group_fn *const *rows16_kernels(int32_t qtype) {
+    return qtype == Q4_K                   ? Q4K_FNS
+           : qtype == Q5_K                 ? Q5K_FNS
+           : qtype == Q6_K                 ? Q6K_FNS
+           : qtype == Q5_0 || qtype == Q5_1 ? Q5_FNS
+                                            : GROUP_FNS;
+}
+#endif /* ROWS16_AVX512 */
 
 /* Q6_K from this many x rows takes the bf16 path (gguf_rows16_q6k.c). Measured by A/B of
  * two builds in one process (bf16 / int8 time): at 576 x 1536 (SmolLM2's ffn_down) 1.25
@@ -255,7 +262,7 @@ static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4, q5_5, q5_
 
 /* The x rows from which `qtype` takes a bf16 path rather than int8 products; 0: never. */
 int64_t gguf_rows16_bf16_min_m(int32_t qtype) {
-#if defined(HAVE_ROWS16) && defined(__AVX512BF16__)
+#if defined(ROWS16_AVX512) && defined(__AVX512BF16__)
     return qtype == Q6_K ? Q6K_BF16_MIN_M : 0;
 #else
     (void)qtype;
@@ -264,7 +271,8 @@ int64_t gguf_rows16_bf16_min_m(int32_t qtype) {
 }
 
 /* x [m, k] @ W.T for W [n, k] packed as above -> out [m, n]. Returns 0, BAD_TYPE,
- * BAD_SHAPE, NO_MEMORY, or BAD_TYPE for every type in a build without VNNI. */
+ * BAD_SHAPE, NO_MEMORY, or BAD_TYPE for a type without a kernel in this build (every
+ * type without AVX2). */
 int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int32_t x_bf16,
                            const uint8_t *w, int64_t n, int32_t qtype, void *out, int64_t ldo,
                            int32_t out_bf16, int32_t threads) {
@@ -276,9 +284,12 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     int64_t nb, bb, rc = geometry(qtype, n, k, &nb, &bb);
     if (rc) return rc;
     if (m <= 0) return 0;
+    if (!((gguf_rows16_types() >> qtype) & 1)) return BAD_TYPE;
+#ifdef ROWS16_AVX512
     if (qtype == Q6_K && m >= Q6K_BF16_MIN_M)
         return rows16_q6k_bf16_matmul(x, m, k, ldx, x_bf16, w, n, out, ldo, out_bf16,
                                       threads);
+#endif
     const int64_t nx = k / 32, ldq = k / 4, groups = n / GROUP;
     const size_t es = x_bf16 ? 2 : 4;
     int8_t *q = aligned_alloc(64, ((size_t)(m * k) + 63) / 64 * 64);
@@ -290,11 +301,7 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
     }
     float *sx = dx + m * nx;
     int32_t *hx = (int32_t *)(sx + m * nx);
-    group_fn *const *fns = qtype == Q4_K                   ? Q4K_FNS
-                           : qtype == Q5_K                 ? Q5K_FNS
-                           : qtype == Q6_K                 ? Q6K_FNS
-                           : qtype == Q5_0 || qtype == Q5_1 ? Q5_FNS
-                                                            : GROUP_FNS;
+    group_fn *const *fns = rows16_kernels(qtype);
     const size_t os = out_bf16 ? 2 : 4;
     /* One parallel region a call (a decode step makes ~120 of these calls): every x row
      * quantized once, up front (codes, then per row and block dx and sx), then the row
@@ -303,15 +310,16 @@ int64_t gguf_rows16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx, int
      * chunks of X_CHUNK_BYTES of codes, each thread running its groups over a chunk
      * before the next: a chunk stays in its L2 while the thread's share of the weight is
      * read again per chunk, instead of all of x streamed from L3 once per group. The
-     * static schedule gives a thread the same groups in every chunk, so no barrier. */
+     * static schedule gives a thread the same groups in every chunk, so no barrier.
+     * (XR: 8 x rows a call with AVX-512, 4 with AVX2.) */
     const int64_t tiles = X_CHUNK_BYTES / k / XR; /* 8-row tiles a chunk */
     const int64_t chunk = tiles > 0 ? tiles * XR : XR;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
-            quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx, q + r * k,
-                         dx + r * nx, sx + r * nx, hx + 2 * r * nx);
+            rows16_quantize_row((const char *)x + (size_t)(r * ldx) * es, x_bf16, nx,
+                                q + r * k, dx + r * nx, sx + r * nx, hx + 2 * r * nx);
         for (int64_t r0 = 0; r0 < m; r0 += chunk) {
             const int64_t r1 = m - r0 < chunk ? m : r0 + chunk;
 #pragma omp for schedule(static) nowait

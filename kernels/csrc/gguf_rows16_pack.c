@@ -6,8 +6,8 @@
 
 #include "gguf_rows16.h"
 
-/* Bit i set: ggml type id i has a row-group kernel in this build (none without VNNI;
- * Q6_K's many-row path needs AVX512-BF16 as well). */
+/* Bit i set: ggml type id i has a row-group kernel in this build (none without AVX2;
+ * Q6_K only with AVX512-VNNI and AVX512-BF16, its many-row path's). */
 int64_t gguf_rows16_types(void) {
 #ifdef HAVE_ROWS16
     int64_t t = (1 << Q4_0) | (1 << Q4_1) | (1 << Q5_0) | (1 << Q5_1) | (1 << Q8_0) |

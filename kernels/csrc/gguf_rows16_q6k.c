@@ -20,7 +20,7 @@
 
 #include "gguf_rows16.h"
 
-#ifdef HAVE_ROWS16
+#ifdef ROWS16_AVX512
 /* The 16 rows' codes (0..63, a byte each) of quad q of chunk t of half h. */
 static inline __m512i q6k_codes(const __m512i *wv, int h, int t, int q) {
     const __m512i ql = _mm512_loadu_si512(wv + 16 * h + 8 * (t & 1) + q);
@@ -210,4 +210,4 @@ int64_t rows16_q6k_bf16_matmul(const void *x, int64_t m, int64_t k, int64_t ldx,
     return BAD_TYPE;
 #endif
 }
-#endif /* HAVE_ROWS16 */
+#endif /* ROWS16_AVX512 */

@@ -37,9 +37,11 @@ def _check(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int) -> Non
 @pytest.mark.parametrize("name", NAMES)
 def test_matmul_matches_dequantized_product(name: str, m: int, dtype: torch.dtype):
     """M = 1 and 3 take the C kernels (3: several rows, fewer than their groups of 4),
-    16 and 17 too for fp32 x (the dequantized tile for 16-bit x), 64 the tile; the out
-    buffer is poisoned, so every element must be written."""
+    16 and 17 too for fp32 x and, where the CPU has the int8 kernel but no bf16 GEMM, for
+    16-bit x (else the dequantized tile), 64 the tile; the out buffer is poisoned, so
+    every element must be written."""
     assert 3 < cpu_gguf.LARGE_M <= 16 < cpu_gguf.FP32_TILE_MIN_M <= 64
+    assert 17 < cpu_gguf.INT8_TILE_MIN_M <= 64
     fmt = BLOCK_FORMATS[GQ[name].value]
     rng = rng_for("cpu", name, m, str(dtype))
     k = ragged_k(fmt)
@@ -124,15 +126,19 @@ def test_empty_batch_and_every_type_listed():
     assert gguf_kernels.kernel_types("cpu") == frozenset(BLOCK_FORMATS)
 
 
-@pytest.mark.skipif(not cpu_gguf.int8_types(), reason="this CPU has no VNNI int8 path")
-@pytest.mark.parametrize("m", [1, cpu_gguf.INT8_MAX_M])
+@pytest.mark.skipif(not cpu_gguf.int8_types(), reason="this CPU has no AVX2 int8 path")
+@pytest.mark.parametrize("m", [1, cpu_gguf.INT8_MAX_M, 5, cpu_gguf.INT8_TILE_MIN_M - 1])
 @pytest.mark.parametrize("name", NAMES)
 def test_16_bit_activations_take_the_int8_path_within_its_bound(name: str, m: int):
-    """bf16 x of up to INT8_MAX_M rows (below LARGE_M without the bf16 GEMM), on a CPU
-    with VNNI: x is quantized to int8 per block of 32. Its error is at most half a step
+    """bf16 x of up to INT8_MAX_M rows where the CPU has the bf16 GEMM, up to
+    INT8_TILE_MIN_M - 1 without it (5: a group of 4 rows and one more), on a CPU with
+    AVX2: x is quantized to int8 per block of 32. Its error is at most half a step
     (max|x_b| / 254) per element, so each output moves by at most sum over blocks of
     max|x_b| / 254 * sum |w| there, plus the bf16 rounding of the output. One block of x
     holds an outlier (the worst case for a per-block scale)."""
+    if m > cpu_gguf.INT8_MAX_M and cpu_gguf.bf16_gemm():
+        pytest.skip("from INT8_MAX_M + 1 rows the bf16 GEMM takes bf16 x")
+    assert cpu_gguf.tile_min_rows(torch.bfloat16) > m
     fmt = BLOCK_FORMATS[GQ[name].value]
     assert fmt.type_id in cpu_gguf.int8_types()
     rng = rng_for("cpu-int8", name, m)

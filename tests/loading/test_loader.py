@@ -21,6 +21,7 @@ from deepinfer.loading.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from deepinfer_kernels.cpu_gguf import int8_types
 
 
 def test_unknown_path_names_it(tmp_path):
@@ -99,9 +100,14 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # CPU without native bf16: always float32.
+    # CPU without native bf16: float32, except a GGUF whose blocks the int8 kernels take.
     assert resolve_dtype("auto", torch.bfloat16, cpu, False, cpu_bf16=False) == torch.float32
-    assert resolve_dtype("auto", torch.float16, cpu, True, cpu_bf16=False) == torch.float32
+    assert resolve_dtype("auto", torch.float16, cpu, True, cpu_bf16=False,
+                         int8_blocks=False) == torch.float32
+    assert resolve_dtype("auto", torch.float16, cpu, True, cpu_bf16=False,
+                         int8_blocks=True) == torch.bfloat16
+    assert resolve_dtype("auto", torch.bfloat16, cpu, False, cpu_bf16=False,
+                         int8_blocks=True) == torch.float32
     # With it: bf16 for a GGUF or a bf16 checkpoint, float32 for an fp32/fp16 one.
     assert resolve_dtype("auto", torch.bfloat16, cpu, False, cpu_bf16=True) == torch.bfloat16
     assert resolve_dtype("auto", torch.float32, cpu, True, cpu_bf16=True) == torch.bfloat16
@@ -109,8 +115,10 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", torch.float16, cpu, False, cpu_bf16=True) == torch.float32
     # Detected from this machine when not given; an explicit dtype always wins.
     native = cpu_has_native_bf16()
-    assert resolve_dtype("auto", torch.bfloat16, cpu, True) == (
+    assert resolve_dtype("auto", torch.bfloat16, cpu, False) == (
         torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", torch.float32, cpu, True) == (
+        torch.bfloat16 if native or int8_types() else torch.float32)
     assert resolve_dtype("float32", torch.bfloat16, cpu, True, cpu_bf16=True) == torch.float32
     assert resolve_dtype("auto", torch.bfloat16, cuda, False) == torch.bfloat16
     assert resolve_dtype("auto", torch.float16, cuda, True) == torch.bfloat16

@@ -20,7 +20,7 @@ from deepinfer.models.decoder_stack import decoder_stack_spec
 from deepinfer_kernels import cpu_backend, cpu_gguf
 from deepinfer_kernels.cpu_dense import PACKED_MIN_M
 from deepinfer_kernels.cpu_gguf_rows16 import rows16_bf16_min_rows, rows16_types
-from deepinfer_kernels.decoder_spec import BF16_TYPE
+from deepinfer_kernels.decoder_spec import BF16_TYPE, ROWS16_FLAG, projection_parts
 from deepinfer_kernels.kv_quant import kv_row_width
 from tests.models.paged_sim import PagedSim
 from tests.models.quantized_gguf import write_quantized_gguf
@@ -175,10 +175,10 @@ def test_fused_step_over_dense_bf16_weights_gives_the_per_layer_bits(smollm2_pat
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_fused_step_over_k_quants_gives_the_per_layer_bits(tmp_path, qtype):
     """A tiny model of K-quant (or 5-bit) blocks, bf16, 3 sequences: repacked for the
-    row-group kernel where the CPU has it; else through the int8 kernel where the CPU has
-    VNNI up to ``INT8_MAX_M`` rows (the exact one without) and the bf16 GEMM from
-    ``INT8_MAX_M + 1`` rows (from 2 without VNNI). The fused step and the per-layer path
-    pick the same kernel per product, so the same bits."""
+    row-group kernel where the CPU has it for the type (AVX2; Q6_K with AVX512-BF16);
+    else through the int8 kernel (AVX2) up to ``INT8_MAX_M`` rows where the bf16 GEMM
+    exists, and that GEMM from ``INT8_MAX_M + 1`` rows. The fused step and the per-layer
+    path pick the same kernel per product, so the same bits."""
     path = write_quantized_gguf(str(tmp_path / f"{qtype}.gguf"), qtype)
     model, cfg = load_model(path, dtype="bfloat16", quantization="auto")
     # Repacked for the row-group kernel where the CPU has it for the type.
@@ -259,12 +259,17 @@ def test_fused_step_declines_what_it_does_not_take(auto_model):
     assert call(slot_mapping=torch.tensor([10**9])) is None  # past the cache
     assert call(seq_lens=torch.tensor([10**4], dtype=torch.int32)) is None  # table too short
     # From tile_min_rows rows: left to the per-layer path (its tiles for torch's BLAS),
-    # unless every product there is the bf16 GEMM.
+    # unless every product there is the bf16 GEMM or the row-group kernel (any rows).
     m = cpu_gguf.tile_min_rows(dtype)
     wide = call(x=torch.randn(m, cfg.hidden_size).to(dtype), positions=torch.arange(m),
                 slot_mapping=torch.arange(m), block_tables=table.expand(m, -1),
                 seq_lens=torch.full((m,), 4, dtype=torch.int32))
-    assert (wide is not None) == (dtype == torch.bfloat16 and cpu_gguf.bf16_gemm())
+    spec = decoder_stack_spec(model)
+    packed = all(part.qtype & ROWS16_FLAG for layer in spec.layers
+                 for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                 for part in projection_parts(w))
+    assert (wide is not None) == (dtype == torch.bfloat16
+                                  and (cpu_gguf.bf16_gemm() or packed))
     assert call(seq_lens=torch.tensor([4], dtype=torch.int64)) is None
     # Through the model: the declined step reruns layer by layer, which names the token.
     meta = AttentionMetadata(False, good["slot_mapping"], table, good["seq_lens"],

@@ -168,7 +168,7 @@ def test_fused_layer_with_parts_of_mixed_types_keeps_each_part(tmp_path, dtype):
     assert 0 < blocks_err <= 2 * bf16_err, (float(blocks_err), float(bf16_err))
 
 
-@pytest.mark.skipif(not rows16_types(), reason="no AVX512-VNNI: no row-group kernel")
+@pytest.mark.skipif(not rows16_types(), reason="no AVX2: no row-group kernel")
 # Q4_K, Q5_K and Q6_K also take the kernel, but their tiny files are random bytes
 # (logits in the hundreds), where the int8 activations' error says nothing about real
 # weights; their kernel is held to the exact product in
@@ -176,7 +176,7 @@ def test_fused_layer_with_parts_of_mixed_types_keeps_each_part(tmp_path, dtype):
 # tests/models/test_decoder_stack.py.
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_bf16_layers_take_the_row_group_kernel(tmp_path, qtype):
-    """bf16 activations on a CPU with VNNI: the Linear layers of these types and the
+    """bf16 activations on a CPU with AVX2: the Linear layers of these types and the
     embedding are repacked in place (same shape and bytes; fp32 models keep the
     row-major blocks) and multiply by the int8 row-group kernel. Their logits' error
     against the fp32 dequantized model stays within 3x the bf16 dequantized model's own
