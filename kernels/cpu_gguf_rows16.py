@@ -1,7 +1,7 @@
 """GGUF weights repacked in groups of 16 rows for int8 products on the CPU
 (``kernels/csrc/gguf_rows16*.c``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K on CPUs
 with AVX2 (a 16-lane build with AVX512-VNNI, an 8-lane one with AVX2 alone), and Q6_K
-where the CPU has AVX512-VNNI and AVX512-BF16. Q6_K's int8 products cost
+with AVX2 alone or where the CPU has AVX512-VNNI and AVX512-BF16. Q6_K's int8 products cost
 more per x row than the other types' (a scale per 16 weights), so from
 :func:`rows16_bf16_min_rows` x rows on it decodes each row group to bf16 once a call
 and multiplies bf16 x (fp32 x rounded to bf16 first) instead.

@@ -1,6 +1,7 @@
 /* The row-group products (gguf_rows16.h) on CPUs with AVX2 and no AVX512-VNNI: Q4_0,
- * Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K (Q6_K keeps the row-major kernels). Built with
- * the other C kernels by kernels/cpu_native.py; gguf_rows16_cpu.c holds the driver.
+ * Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, int8 products for any number of x rows
+ * (no bf16 path: without AVX512-BF16 there is no faster one). Built with the other C
+ * kernels by kernels/cpu_native.py; gguf_rows16_cpu.c holds the driver.
  *
  * Why: the row-major int8 kernel (gguf_int8_cpu.c) spends ~25 instructions a block of 32
  * weights on one output (decoding the block's codes, its two fp16 fields, a lane sum a
@@ -271,25 +272,94 @@ static inline __m256i bcast(const xrows *x, int r, int64_t quad) {
         }                                                                                 \
     }
 
+/* Q6_K, as gguf_rows16_q6k.c's int8 kernel (the layout is described there) on each half
+ * of 8 rows: per chunk of 32 and half of 16 (one int8 scale), s = sum of code * x code
+ * - 32 * (sum of x codes), then out += (d * scale * dx) * s. Codes are 6-bit: two
+ * vpmaddubsw pair sums (2 * 63 * 127 each) add in int16 before widening. */
+#define Q6K_KERNEL(R)                                                                     \
+    static void q6k_##R(const uint8_t *grp, int32_t qtype, int64_t nb, const xrows *x,    \
+                        void *out, int64_t ldo, int64_t j0, int out_bf16) {               \
+        (void)qtype;                                                                      \
+        const int64_t bb = 210 * GROUP;                                                   \
+        const __m256i nib = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);          \
+        for (int hr = 0; hr < 2; hr++) {                                                  \
+            __m256 acc[R];                                                                \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                     \
+            for (int64_t b = 0; b < nb; b++) {                                            \
+                const uint8_t *c = grp + b * bb;                                          \
+                const uint8_t *wv = c + 32 + 32 * hr; /* word vector i: +64 i */          \
+                const __m256 d = halves8(c + 16 * hr);                                    \
+                for (int h = 0; h < 2; h++)                                               \
+                    for (int t = 0; t < 4; t++) {                                         \
+                        const int64_t xb = b * 8 + 4 * h + t; /* the chunk's x block */   \
+                        for (int half = 0; half < 2; half++) {                            \
+                            const int j = 8 * h + 2 * t + half; /* its scale */           \
+                            const __m256i sw = _mm256_loadu_si256(                        \
+                                (const __m256i *)(wv + 64 * (48 + j / 4)));               \
+                            const __m256i sc = _mm256_srai_epi32(                         \
+                                _mm256_slli_epi32(sw, 24 - 8 * (j % 4)), 24);             \
+                            const __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));   \
+                            __m256i s[R], t16[R];                                         \
+                            for (int r = 0; r < R; r++) {                                 \
+                                s[r] = _mm256_set1_epi32(                                 \
+                                    -32 * x->hx[2 * (r * x->nx + xb) + half]);            \
+                                t16[r] = _mm256_setzero_si256();                          \
+                            }                                                             \
+                            for (int q = 4 * half; q < 4 * half + 4; q++) {               \
+                                const __m256i ql = _mm256_loadu_si256((const __m256i *)(  \
+                                    wv + 64 * (16 * h + 8 * (t & 1) + q)));               \
+                                const __m256i qh = _mm256_loadu_si256(                    \
+                                    (const __m256i *)(wv + 64 * (32 + 8 * h + q)));       \
+                                const __m256i w = _mm256_or_si256(                        \
+                                    _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), \
+                                                     nib),                                \
+                                    _mm256_slli_epi16(                                    \
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t),    \
+                                                         three), 4));                     \
+                                for (int r = 0; r < R; r++)                               \
+                                    t16[r] = _mm256_add_epi16(                            \
+                                        t16[r],                                           \
+                                        _mm256_maddubs_epi16(w, bcast(x, r, xb * 8 + q)));\
+                                if (q & 1)                                                \
+                                    for (int r = 0; r < R; r++) {                         \
+                                        s[r] = _mm256_add_epi32(s[r], widen(t16[r]));     \
+                                        t16[r] = _mm256_setzero_si256();                  \
+                                    }                                                     \
+                            }                                                             \
+                            for (int r = 0; r < R; r++)                                   \
+                                acc[r] = _mm256_fmadd_ps(                                 \
+                                    _mm256_cvtepi32_ps(s[r]),                             \
+                                    _mm256_mul_ps(ds,                                     \
+                                                  _mm256_set1_ps(x->dx[r * x->nx + xb])), \
+                                    acc[r]);                                              \
+                        }                                                                 \
+                    }                                                                     \
+            }                                                                             \
+            for (int r = 0; r < R; r++) store8(out, r * ldo + j0 + 8 * hr, acc[r], out_bf16);\
+        }                                                                                 \
+    }
+
 #define ALL_KERNELS(R)                                                                    \
     GROUP_KERNEL(R, group, 0)                                                             \
-    GROUP_KERNEL(R, q5, 1) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1)
+    GROUP_KERNEL(R, q5, 1) KQ_KERNEL(R, q4k, 0) KQ_KERNEL(R, q5k, 1) Q6K_KERNEL(R)
 ALL_KERNELS(1)
 ALL_KERNELS(2)
 ALL_KERNELS(3)
 ALL_KERNELS(4)
 #undef ALL_KERNELS
+#undef Q6K_KERNEL
 #undef KQ_KERNEL
 #undef GROUP_KERNEL
 static group_fn *const GROUP_FNS[XR + 1] = {NULL, group_1, group_2, group_3, group_4};
 static group_fn *const Q4K_FNS[XR + 1] = {NULL, q4k_1, q4k_2, q4k_3, q4k_4};
 static group_fn *const Q5K_FNS[XR + 1] = {NULL, q5k_1, q5k_2, q5k_3, q5k_4};
 static group_fn *const Q5_FNS[XR + 1] = {NULL, q5_1, q5_2, q5_3, q5_4};
+static group_fn *const Q6K_FNS_AVX2[XR + 1] = {NULL, q6k_1, q6k_2, q6k_3, q6k_4};
 
-/* Q6_K is not among this build's types (gguf_rows16_types): never asked for. */
 group_fn *const *rows16_kernels(int32_t qtype) {
     return qtype == Q4_K                   ? Q4K_FNS
            : qtype == Q5_K                 ? Q5K_FNS
+           : qtype == Q6_K                 ? Q6K_FNS_AVX2
            : qtype == Q5_0 || qtype == Q5_1 ? Q5_FNS
                                             : GROUP_FNS;
 }

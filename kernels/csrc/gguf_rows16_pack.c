@@ -7,12 +7,12 @@
 #include "gguf_rows16.h"
 
 /* Bit i set: ggml type id i has a row-group kernel in this build (none without AVX2;
- * Q6_K only with AVX512-VNNI and AVX512-BF16, its many-row path's). */
+ * Q6_K with AVX2 alone, or with AVX512-VNNI where AVX512-BF16 gives its many-row path). */
 int64_t gguf_rows16_types(void) {
 #ifdef HAVE_ROWS16
     int64_t t = (1 << Q4_0) | (1 << Q4_1) | (1 << Q5_0) | (1 << Q5_1) | (1 << Q8_0) |
                 (1 << Q4_K) | (1 << Q5_K);
-#ifdef __AVX512BF16__
+#if defined(ROWS16_AVX2) || defined(__AVX512BF16__)
     t |= 1 << Q6_K;
 #endif
     return t;
