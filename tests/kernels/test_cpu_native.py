@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -331,3 +332,28 @@ def test_build_without_openmp_or_native_flags(tmp_path):
     pragmas ignored, one thread; still the reference's results."""
     res = _child(tmp_path, setup="cpu_native._FLAG_SETS = (cpu_native._BASE_FLAGS,)")
     assert res == {"lib": True, "close": True, "warnings": []}
+
+
+# x86 classes whose preprocessor branches the native sources take apart: no vector ISA the
+# kernels use, AVX2 (the 8-lane row groups, int8 by vpmaddubsw), AVX512-VNNI without
+# AVX512-BF16, and both. This machine runs one of them; the others must still compile.
+_X86_CLASSES = ("x86-64", "haswell", "icelake-server", "sapphirerapids")
+
+
+@needs_cc
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 only")
+@pytest.mark.parametrize("march", _X86_CLASSES)
+def test_sources_compile_for_every_x86_vector_class(march: str):
+    """A syntax-and-types check (-fsyntax-only, warnings as errors) of every C source
+    for each -march class, a few seconds each: an edit that breaks the AVX-512 branches
+    fails here on an AVX2 machine, and the other way round, not on a user's CPU."""
+    cc = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    probe = subprocess.run([*cc, f"-march={march}", "-E", "-x", "c", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode:
+        pytest.skip(f"{cc[0]} does not know -march={march}")
+    flags = ["-fsyntax-only", "-std=gnu11", "-fopenmp", f"-march={march}", "-Wall",
+             "-Wno-psabi", "-Werror"]
+    proc = subprocess.run([*cc, *flags, *map(str, cpu_native.SOURCES)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
