@@ -246,13 +246,15 @@ def bind_gguf_matmul(blocks: torch.Tensor, qtype: int
     narrow = lib.gguf_matmul_int8_cpu if fmt.type_id in int8_types() else exact
     n, ldw, w_ptr, type_id = b.shape[0], b.stride(0), b.data_ptr(), fmt.type_id
     bf16 = torch.bfloat16
+    # Fixed for this build: looked up once here, not per call (~120 calls a token).
+    tile_rows = {dtype: tile_min_rows(dtype) for dtype in _DIRECT}
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             fail("x", f"a CPU tensor [M, {k}] (K of this {fmt.name} weight)",
                  f"shape {tuple(x.shape)} on {x.device}")
         m, dtype = x.shape[0], x.dtype
-        if (m >= tile_min_rows(dtype) or m == 0 or x.stride(1) != 1 or dtype not in _DIRECT
+        if (dtype not in _DIRECT or m >= tile_rows[dtype] or m == 0 or x.stride(1) != 1
                 or _uses_gemm(m, dtype, type_id)):
             return _matmul(x, b, type_id, k, None)
         # The decode step's path, ~120 calls a token: straight to the kernel.
