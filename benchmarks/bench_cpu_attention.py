@@ -18,11 +18,14 @@ SmolLM2-135M attention (Hq 9, Hkv 3, D 64) at B=64 and ctx 256/1024, and the tin
 benchmarks/bench_host.py (Hq 4, Hkv 2, D 16) at B=256/1024 and ctx 300, Gemma-3-1B's and
 Gemma-2-2B's (D 256) at B=16 and ctx 1024, all sequences at ctx (the dense floor's case);
 ``ragged`` rows draw lengths in [ctx/2, ctx] for the paged ops while the floor stays at
-ctx. Block size 16, fp32.
+ctx. Block size 16; fp32, or ``--dtype bfloat16`` (the engine's cache for a bf16 model:
+queries, caches and the dense floor all bf16).
 
     python benchmarks/bench_cpu_attention.py                  # prints the table
     python benchmarks/bench_cpu_attention.py --threads 1 --reps 9
     python benchmarks/bench_cpu_attention.py --save           # results/cpu-attention-cpu.*
+    python benchmarks/bench_cpu_attention.py --save --dtype bfloat16 --tag avx2-bf16
+                                                  # results/cpu-attention-cpu-avx2-bf16.*
 
 The ``test_`` function at the bottom runs one tiny case so the suite exercises this file
 (a correctness check, never timing).
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_meta import git_commit, utc_now  # noqa: E402
+from results_meta import git_commit, utc_now, vector_isa  # noqa: E402
 
 from deepinfer_kernels import cpu_backend, cpu_native, reference  # noqa: E402
 
@@ -68,7 +71,7 @@ CASES = [
     Case("tiny", 256, 300, 4, 2, 16),
     Case("tiny", 1024, 300, 4, 2, 16),
     Case("tiny ragged", 1024, 300, 4, 2, 16, ragged=True),
-    # Gemma's head dim 256 (the 16-lane kernel's since 2026-12-07): Gemma-3-1B, Gemma-2-2B
+    # Gemma's head dim 256 (the wide kernel's since 2026-12-07): Gemma-3-1B, Gemma-2-2B
     Case("Gemma-3-1B", 16, 1024, 4, 1, 256),
     Case("Gemma-2-2B", 16, 1024, 8, 4, 256),
 ]
@@ -85,8 +88,9 @@ class Inputs:
     v_dense: torch.Tensor
 
 
-def make_inputs(case: Case, seed: int = 0) -> Inputs:
-    """Dense K/V of ``case`` and the same tokens scattered over shuffled cache blocks."""
+def make_inputs(case: Case, seed: int = 0, dtype: torch.dtype = torch.float32) -> Inputs:
+    """Dense K/V of ``case`` and the same tokens scattered over shuffled cache blocks, all
+    (the query too) in ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     b, ctx, hkv, d = case.batch, case.ctx, case.hkv, case.d
     width = -(-ctx // BLOCK_SIZE)
@@ -106,8 +110,9 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         lens = torch.randint(ctx // 2, ctx + 1, (b,), generator=g)
     else:
         lens = torch.full((b,), ctx)
-    return Inputs(torch.randn((b, case.hq, d), generator=g), paged(k_dense), paged(v_dense),
-                  tables.int(), lens.int(), k_dense, v_dense)
+    return Inputs(torch.randn((b, case.hq, d), generator=g).to(dtype),
+                  paged(k_dense).to(dtype), paged(v_dense).to(dtype), tables.int(),
+                  lens.int(), k_dense.to(dtype), v_dense.to(dtype))
 
 
 def ops(x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
@@ -126,9 +131,9 @@ def ops(x: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
     }
 
 
-def time_case(case: Case, reps: int) -> dict[str, float]:
+def time_case(case: Case, reps: int, dtype: torch.dtype) -> dict[str, float]:
     """Median seconds per call of each op; ops interleaved within every round."""
-    fns = ops(make_inputs(case))
+    fns = ops(make_inputs(case, dtype=dtype))
     for fn in fns.values():  # warm-up: workspace allocation, first-touch of the caches
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -162,14 +167,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per case (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="query, cache and dense-floor dtype (default float32)")
     ap.add_argument("--save", action="store_true",
-                    help="write benchmarks/results/cpu-attention-cpu.{json,md}")
+                    help="write benchmarks/results/cpu-attention-cpu[-TAG].{json,md}")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the results files (e.g. the CPU class and dtype)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
     for case in CASES:
-        ms = {k: v * 1e3 for k, v in time_case(case, args.reps).items()}
+        ms = {k: v * 1e3 for k, v in time_case(case, args.reps, dtype).items()}
         rows.append({"case": label(case), "batch": case.batch, "ctx": case.ctx,
                      "ragged": case.ragged, "ms": ms})
         print(table_lines(rows)[-1], file=sys.stderr, flush=True)  # progress
@@ -185,14 +195,18 @@ def main() -> None:
         meta = {"commit": git_commit(), "date": utc_now(), "device": "cpu",
                 "machine": platform.machine(), "processor": platform.processor(),
                 "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__}
-        data = {**meta, "block_size": BLOCK_SIZE, "dtype": "float32", "reps": args.reps,
+                "torch": torch.__version__, "vector_isa": vector_isa()}
+        data = {**meta, "block_size": BLOCK_SIZE, "dtype": args.dtype, "reps": args.reps,
                 "rows": rows}
-        (out / "cpu-attention-cpu.json").write_text(json.dumps(data, indent=2) + "\n")
-        head = (f"# CPU paged decode attention ({meta['machine']}, {meta['threads']} threads)"
-                f"\n\ncommit {meta['commit']}, {meta['date']}, torch {meta['torch']}, "
-                "`python benchmarks/bench_cpu_attention.py --save`\n\n")
-        (out / "cpu-attention-cpu.md").write_text(head + "\n".join(lines) + note + "\n")
+        stem = "cpu-attention-cpu" + (f"-{args.tag}" if args.tag else "")
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+        flags = (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + (
+            f" --tag {args.tag}" if args.tag else "")
+        head = (f"# CPU paged decode attention ({meta['machine']}, {meta['vector_isa']}, "
+                f"{meta['threads']} threads, {args.dtype})\n\ncommit {meta['commit']}, "
+                f"{meta['date']}, torch {meta['torch']}, "
+                f"`python benchmarks/bench_cpu_attention.py --save{flags}`\n\n")
+        (out / f"{stem}.md").write_text(head + "\n".join(lines) + note + "\n")
 
 
 def test_bench_cpu_attention_smoke():

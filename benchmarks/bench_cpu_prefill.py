@@ -11,6 +11,7 @@ prefill).
 
     python benchmarks/bench_cpu_prefill.py                 # prints the table
     python benchmarks/bench_cpu_prefill.py --save          # results/cpu-prefill-cpu.*
+    python benchmarks/bench_cpu_prefill.py --save --tag avx2   # cpu-prefill-cpu-avx2.*
 
 The ``test_`` function at the bottom runs one tiny case so the suite exercises this file
 (a correctness check, never timing).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from results_meta import git_commit, header_lines, table_lines, utc_now
+from results_meta import git_commit, header_lines, table_lines, utc_now, vector_isa
 
 from deepinfer_kernels import cpu_backend, cpu_prefill
 
@@ -77,6 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the results files (e.g. the CPU's vector class)")
     a = ap.parse_args()
     rows = []
     for case in CASES:
@@ -84,17 +87,20 @@ def main() -> None:
         print(rows[-1], flush=True)
     if a.save:
         meta = {"device": f"CPU ({platform.processor() or platform.machine()}, "
-                          f"{torch.get_num_threads()} threads)", "commit": git_commit(),
+                          f"{vector_isa()}, {torch.get_num_threads()} threads)",
+                "commit": git_commit(),
                 "date": utc_now(), "torch": torch.__version__, "triton": "n/a"}
         out = HERE / "results"
-        (out / "cpu-prefill-cpu.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                             indent=1) + "\n")
+        stem = "cpu-prefill-cpu" + (f"-{a.tag}" if a.tag else "")
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                     indent=1) + "\n")
+        flags = f" --tag {a.tag}" if a.tag else ""
         lines = header_lines("CPU paged prefill attention", meta,
                              f"Hq {HQ}, Hkv {HKV}, D {D}, bf16, block size {BS}, "
-                             f"`python benchmarks/bench_cpu_prefill.py --save`")
+                             f"`python benchmarks/bench_cpu_prefill.py --save{flags}`")
         lines += table_lines(list(rows[0]), rows) + [""]
-        (out / "cpu-prefill-cpu.md").write_text("\n".join(lines))
-        print(f"wrote {out / 'cpu-prefill-cpu.md'}")
+        (out / f"{stem}.md").write_text("\n".join(lines))
+        print(f"wrote {out / f'{stem}.md'}")
 
 
 def test_bench_cpu_prefill_smoke():

@@ -49,7 +49,8 @@ SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "layer_ops_cpu.c", _CSRC / "store_kv_cpu.c", _CSRC / "decoder_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
-HEADERS = (_CSRC / "vec16.h", _CSRC / "gguf_rows16.h")
+HEADERS = (_CSRC / "vec16.h", _CSRC / "vec8.h", _CSRC / "vec_lanes.h",
+           _CSRC / "gguf_rows16.h")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {
@@ -92,7 +93,7 @@ _MAX_GROUP = 64
 _MAX_DIM = 512
 # The kernel keeps a sequence's Hq x D floats on the thread's stack (a few of them).
 _MAX_HEADS_X_DIM = 1 << 17
-# The int8 shapes of the 16-lane kernel, the only one that reads an int8 cache
+# The int8 shapes of the wide kernel, the only one that reads an int8 cache
 # (paged_decode_wide_takes in paged_decode_wide_cpu.c; it takes head dim 256 for float
 # caches only).
 _INT8_DIMS, _INT8_MAX_GROUP = (64, 128), 8
@@ -201,7 +202,7 @@ def native_library() -> ctypes.CDLL | None:
 
 def int8_decode_shape(head_dim: int, group: int) -> bool:
     """Whether the C decode kernel reads an int8 cache for this head dim and number of
-    query heads per KV head (its 16-lane kernel's shapes)."""
+    query heads per KV head (its wide kernel's shapes)."""
     return head_dim in _INT8_DIMS and 1 <= group <= _INT8_MAX_GROUP
 
 

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec_lanes.h"
 
 #define PARALLEL_MIN (1 << 15) /* elements below which one thread is faster */
 
@@ -33,56 +33,23 @@ static inline void *row_m(void *p, int64_t r, int64_t ld_, int bf16) {
     return (char *)p + (size_t)(r * ld_) * esz(bf16);
 }
 
-/* 16 floats stored from i on (bf16: rounded to nearest even, NaN kept quiet, as
- * f32_to_bf16) and rounded to the dtype: with load16 (vec16.h), the vector forms of
- * store1, rnd and load1. */
-static inline v16u bf16_bits16(v16f v) {
-    v16u b;
-    memcpy(&b, &v, sizeof b);
-    v16u nan = (v16u)((b & 0x7FFFFFFFu) > 0x7F800000u);
-    v16u rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    return (nan & ((b >> 16) | 0x40u)) | (~nan & rounded);
-}
-
-static inline void st16(void *p, int64_t i, v16f v, int bf16) {
-    if (bf16) {
-        v16h h = __builtin_convertvector(bf16_bits16(v), v16h);
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        memcpy((float *)p + i, &v, sizeof v);
-    }
-}
-
-static inline v16f rnd16(v16f v, int bf16) {
-    if (!bf16) return v;
-    v16u b = bf16_bits16(v) << 16;
-    memcpy(&v, &b, sizeof v);
-    return v;
-}
-
-static inline float hsum16(v16f v) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-}
-
 /* RMSNorm of one row of h values: out = w * round(x * rsqrt(mean(x^2) + eps)). */
 static void norm_row(const void *x, const void *w, void *out, int64_t h, float eps,
                      int bf16) {
-    v16f acc = (v16f){0};
+    vf acc = (vf){0};
     int64_t i = 0;
-    for (; i + 16 <= h; i += 16) {
-        v16f v = load16(x, i, bf16);
+    for (; i + LANES <= h; i += LANES) {
+        vf v = VLOAD(x, i, bf16);
         acc += v * v;
     }
-    float ss = hsum16(acc);
+    float ss = hsum_lanes(acc);
     for (; i < h; i++) {
         float v = load1(x, i, bf16);
         ss += v * v;
     }
     float r = 1.0f / sqrtf(ss / (float)h + eps);
-    for (i = 0; i + 16 <= h; i += 16)
-        st16(out, i, load16(w, i, bf16) * rnd16(load16(x, i, bf16) * r, bf16), bf16);
+    for (i = 0; i + LANES <= h; i += LANES)
+        store_v(out, i, VLOAD(w, i, bf16) * round_v(VLOAD(x, i, bf16) * r, bf16), bf16);
     for (; i < h; i++)
         store1(out, i, load1(w, i, bf16) * rnd(load1(x, i, bf16) * r, bf16), bf16);
 }
@@ -99,7 +66,8 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
             const void *a = src, *b = row_c(res_in, r, ld_rin, bf16);
             void *s = row_m(res_out, r, ld_rout, bf16);
             int64_t i = 0;
-            for (; i + 16 <= h; i += 16) st16(s, i, load16(a, i, bf16) + load16(b, i, bf16), bf16);
+            for (; i + LANES <= h; i += LANES)
+                store_v(s, i, VLOAD(a, i, bf16) + VLOAD(b, i, bf16), bf16);
             for (; i < h; i++) store1(s, i, load1(a, i, bf16) + load1(b, i, bf16), bf16);
             src = s;
         }
@@ -111,8 +79,19 @@ int64_t rms_norm_cpu(const void *x, int64_t ldx, const void *res_in, int64_t ld_
 /* One head of d values rotated in place in `buf` (float, already rounded to the dtype):
  * [x1 cos - x2 sin, x2 cos + x1 sin], each product and sum rounded as torch does. */
 static void rotate(float *buf, const void *cs, int64_t d, int bf16) {
-    int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
+    const int64_t half = d / 2;
+    int64_t i = 0;
+    for (; i + LANES <= half; i += LANES) {
+        const vf c = VLOAD(cs, i, bf16), s = VLOAD(cs, half + i, bf16);
+        vf x1, x2;
+        memcpy(&x1, buf + i, sizeof x1);
+        memcpy(&x2, buf + half + i, sizeof x2);
+        const vf a = round_v(round_v(x1 * c, bf16) - round_v(x2 * s, bf16), bf16);
+        const vf b = round_v(round_v(x2 * c, bf16) + round_v(x1 * s, bf16), bf16);
+        memcpy(buf + i, &a, sizeof a);
+        memcpy(buf + half + i, &b, sizeof b);
+    }
+    for (; i < half; i++) {
         float c = load1(cs, i, bf16), s = load1(cs, half + i, bf16);
         float x1 = buf[i], x2 = buf[half + i];
         float a = rnd(rnd(x1 * c, bf16) - rnd(x2 * s, bf16), bf16);
@@ -169,7 +148,7 @@ int64_t rotary_qk_cpu(const void *q, int64_t ldq, const void *k, int64_t ldk, vo
 
 /* out [T, i] = silu(gate) * up of x [T, 2i] (gate columns, then up): silu(g) computed
  * in fp32 and rounded to the dtype, times up, rounded again (as torch does). e^x by
- * exp16 (vec16.h): scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
+ * VEXP (vec_lanes.h): scalar expf took 10 us of a 16 us SiLU call at 1536 wide. */
 int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int64_t t,
                          int64_t inter, int32_t bf16, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if (t * inter >= PARALLEL_MIN) schedule(static)
@@ -177,10 +156,10 @@ int64_t silu_and_mul_cpu(const void *x, int64_t ldx, void *out, int64_t ldo, int
         const void *xr = row_c(x, r, ldx, bf16);
         void *o = row_m(out, r, ldo, bf16);
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            v16f g = load16(xr, i, bf16);
-            v16f sv = rnd16(g / (1.0f + exp16(-g)), bf16);
-            st16(o, i, sv * load16(xr, inter + i, bf16), bf16);
+        for (; i + LANES <= inter; i += LANES) {
+            const vf g = VLOAD(xr, i, bf16);
+            const vf sv = round_v(g / (1.0f + VEXP(-g)), bf16);
+            store_v(o, i, sv * VLOAD(xr, inter + i, bf16), bf16);
         }
         for (; i < inter; i++) {
             float g = load1(xr, i, bf16), u = load1(xr, inter + i, bf16);

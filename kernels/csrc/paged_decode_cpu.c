@@ -6,7 +6,7 @@
  *   q        [B, Hq, D]            float32, contiguous, already multiplied by the scale
  *   k/v      [NB, BS, Hkv, D]      float32 or bfloat16, contiguous; or int8 [NB, BS, Hkv,
  *            D * 9 / 8] (cache_kind KV_INT8: codes and scales, as vec16.h says), which
- *            only the 16-lane kernel reads (head dim 64 or 128, groups up to 8)
+ *            only the wide kernel reads (head dim 64 or 128, groups up to 8)
  *   tables   [B, W]                int32 or int64, rows `table_stride` apart
  *   seq_lens [B]                   int32
  *   out      [B, Hq, D]            float32, contiguous
@@ -27,10 +27,11 @@
 #include <string.h>
 
 #include "vec16.h" /* KV_* cache kinds */
+#include "vec8.h"
 
-/* The 16-lane kernel for head dims 64 / 128 / 256 (256 not for an int8 cache) and groups
- * up to 8 (paged_decode_wide_cpu.c); 1 for other shapes, which the 8-lane kernel below
- * takes. */
+/* The wide kernel for head dims 64 / 128 / 256 (256 not for an int8 cache) and groups
+ * up to 8 (paged_decode_wide_cpu.c: 16 lanes with AVX-512, else 8); 1 for other shapes,
+ * which the general kernel below takes. */
 int paged_decode_wide_takes(int64_t group, int64_t dim, int kind);
 int64_t paged_decode_wide_seq(const float *q, const void *k_cache, const void *v_cache,
                               int kind, const int64_t *blocks, int64_t lo, int64_t len,
@@ -45,86 +46,6 @@ int64_t softcap_scores(float *s, int64_t n, float cap);
 #define MAX_CHUNKS 64 /* head dim <= 512 */
 #define BAD_SHAPE 1
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-static inline v8f load_f32(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);  /* unaligned load */
-    return x;
-}
-
-static inline v8f load_bf16(const uint16_t *p) {
-    v8u16 h;
-    memcpy(&h, p, sizeof h);
-    v8u32 w = __builtin_convertvector(h, v8u32) << 16;  /* bf16 is fp32's top half */
-    v8f x;
-    memcpy(&x, &w, sizeof x);
-    return x;
-}
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
-static inline v8f vsel(v8i m, v8f a, v8f b) {
-    v8i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-
-/* e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
- * error ~2e-7, below fp32 softmax noise), 2^n put straight into the exponent bits. Lanes
- * below -87.3 (e^x under FLT_MIN, and -inf) give exactly 0; x is never above 0 here. */
-static inline v8f exp_v8(v8f x) {
-    const v8f lo = (v8f){0} - 87.3f;
-    v8i tiny = x < lo;
-    x = vsel(tiny, lo, x); /* keeps n in range; those lanes are zeroed below */
-    /* n = round(x / ln2): adding 1.5 * 2^23 rounds to an integer in the current (nearest)
-     * mode without a float->int->float trip. */
-    v8f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v8f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 split in two: exact n ln2 */
-    v8f p = 1.9875691500e-4f + (v8f){0};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v8i bits = (__builtin_convertvector(fn, v8i) + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    v8f y = p * scale;
-    return vsel(tiny, (v8f){0}, y);
-}
-
-#ifdef __clang__
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* The horizontal sums of eight vectors as one vector (r[t] = sum of x[t]'s lanes): a
- * transpose-and-add tree, 12 shuffles + 7 adds instead of 8 separate reductions. */
-static inline v8f hsum8(const v8f *x) {
-    v8f b[4], c[2];
-    for (int k = 0; k < 4; ++k)
-        b[k] = SHUF(x[2 * k], x[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14)
-             + SHUF(x[2 * k], x[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int k = 0; k < 2; ++k)
-        c[k] = SHUF(b[2 * k], b[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13)
-             + SHUF(b[2 * k], b[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return SHUF(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11)
-         + SHUF(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-static inline float hsum(v8f x) {
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
-
 /* The n scores of each of `heads` rows of s (MAX_BLOCK apart) soft-capped. One call a
  * block, out of line: with the loop over heads inline, the kernel ran up to 5% slower
  * without a cap for some head dims (40). */
@@ -133,10 +54,6 @@ static __attribute__((noinline)) void cap_rows(float *s, int64_t heads, int64_t 
     for (int64_t i = 0; i < heads; ++i) softcap_scores(s + i * MAX_BLOCK, n, cap);
 }
 
-static inline v8f load_vec(const void *cache, int64_t offset, int is_bf16) {
-    return is_bf16 ? load_bf16((const uint16_t *)cache + offset)
-                   : load_f32((const float *)cache + offset);
-}
 
 /* One sequence, KV heads h0 .. h0 + nh - 1 of its num_kv_heads (all of them unless a
  * small batch is split over threads by head): `q` holds those heads' query rows (KV head
@@ -150,7 +67,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     float softcap, float *restrict out) {
     const int64_t heads = nh * group, row = num_kv_heads * chunks * 8;
     v8f qv[heads * chunks], acc[heads * chunks];
-    /* Scores per head, padded with -inf to whole vectors (e^-inf = 0 in exp_v8). */
+    /* Scores per head, padded with -inf to whole vectors (e^-inf = 0 in exp8). */
     float s[heads * MAX_BLOCK] __attribute__((aligned(32))), m[heads], l[heads];
     for (int64_t i = 0; i < heads * chunks; ++i) {
         qv[i] = load_f32(q + 8 * i);
@@ -192,7 +109,7 @@ static inline __attribute__((always_inline)) void attend_seq(
                         if (t0 + u < n) {
                             const int64_t off = koff + (t0 + u) * row;
                             for (int64_t c = 0; c < chunks; ++c)
-                                x += qi[c] * load_vec(k_cache, off + 8 * c, is_bf16);
+                                x += qi[c] * load8(k_cache, off + 8 * c, is_bf16);
                         }
                         d[u] = x;
                     }
@@ -216,7 +133,7 @@ static inline __attribute__((always_inline)) void attend_seq(
             const float corr = expf(m[i] - mnew); /* exp(-inf) = 0 on the first block */
             v8f vsum = (v8f){0};
             for (int64_t c = 0; c < nv; ++c) {
-                v8f e = exp_v8(load_f32(si + 8 * c) - mnew);
+                v8f e = exp8(load_f32(si + 8 * c) - mnew);
                 memcpy(si + 8 * c, &e, sizeof e);
                 vsum += e;
             }
@@ -228,7 +145,7 @@ static inline __attribute__((always_inline)) void attend_seq(
             for (int64_t h = 0; h < nh; ++h) {
                 const int64_t off = base + t * row + (h0 + h) * chunks * 8;
                 v8f v[chunks];
-                for (int64_t c = 0; c < chunks; ++c) v[c] = load_vec(v_cache, off + 8 * c, is_bf16);
+                for (int64_t c = 0; c < chunks; ++c) v[c] = load8(v_cache, off + 8 * c, is_bf16);
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t i = h * group + g;
                     const float p = s[i * MAX_BLOCK + t];

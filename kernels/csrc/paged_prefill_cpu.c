@@ -33,10 +33,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec_lanes.h"
 
 #define QT 16     /* queries a work item */
-#define KT 16     /* keys a tile: the lanes of a score vector */
+#define KT 16     /* keys a tile: a row's scores, NV vectors of LANES */
+#define NV (KT / LANES)
 #define MAX_D 256 /* head dims up to this, multiples of 16 */
 #define MAX_G 16  /* query heads per KV head */
 #define RB 4      /* rows a pass over a tile: each K column and V row loaded once for them */
@@ -98,14 +99,15 @@ static int costlier_first(const void *x, const void *y) {
 static inline __attribute__((always_inline)) void attend_rows(
     scratch *s, int64_t r, int64_t n, int64_t first, int64_t G, int64_t t0, int64_t nk,
     int64_t d, int64_t W, float cap) {
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16f sc[RB];
-    for (int j = 0; j < RB; j++) sc[j] = (v16f){0};
+    vf sc[RB][NV]; /* row j's KT scores, NV vectors of LANES */
+    for (int j = 0; j < RB; j++)
+        for (int h = 0; h < NV; h++) sc[j][h] = (vf){0};
     const float *q = s->q + r * d;
-    for (int64_t c = 0; c < d; c++) {
-        const v16f kc = *(const v16f *)(s->kt + c * KT);
-        for (int j = 0; j < RB; j++) sc[j] += q[j * d + c] * kc; /* padded rows: zeros */
-    }
+    for (int64_t c = 0; c < d; c++)
+        for (int h = 0; h < NV; h++) {
+            const vf kc = *(const vf *)(s->kt + c * KT + h * LANES);
+            for (int j = 0; j < RB; j++) sc[j][h] += q[j * d + c] * kc; /* padded rows: 0 */
+        }
     if (__builtin_expect(cap > 0, 0)) { /* before the masks: their -inf is set after */
         float t[RB * KT] __attribute__((aligned(64)));
         memcpy(t, sc, sizeof t);
@@ -120,28 +122,40 @@ static inline __attribute__((always_inline)) void attend_rows(
             continue;
         }
         const int64_t pos = first + (r + j) / G, see = pos - t0 + 1, from = pos - W + 1 - t0;
-        const v16i live = (lane < (int32_t)(see < nk ? see : nk)) &
-                          (lane >= (int32_t)(from > 0 ? from : 0));
-        const v16f x = vsel16(live, sc[j], (v16f){0} - INFINITY);
-        float bmax = x[0];
-        for (int k = 1; k < KT; k++) bmax = x[k] > bmax ? x[k] : bmax;
+        const int32_t hi = (int32_t)(see < nk ? see : nk), lo = (int32_t)(from > 0 ? from : 0);
+        vf x[NV];
+        float bmax = -INFINITY;
+        for (int h = 0; h < NV; h++) {
+            const vi lane = lane_ids(h * LANES);
+            x[h] = VSEL((lane < hi) & (lane >= lo), sc[j][h], (vf){0} - INFINITY);
+            for (int k = 0; k < LANES; k++) bmax = x[h][k] > bmax ? x[h][k] : bmax;
+        }
         const float m = s->m[r + j], mnew = m > bmax ? m : bmax;
         corr[j] = expf(m - mnew); /* exp(-inf) = 0 at the start */
-        const v16f ev = exp16(x - mnew);
         float sum = 0.0f;
-        for (int k = 0; k < KT; k++) sum += ev[k];
+        for (int h = 0; h < NV; h++) {
+            const vf ev = VEXP(x[h] - mnew);
+            for (int k = 0; k < LANES; k++) sum += ev[k];
+            memcpy(e[j] + h * LANES, &ev, sizeof ev);
+        }
         s->l[r + j] = s->l[r + j] * corr[j] + sum;
         s->m[r + j] = mnew;
-        memcpy(e[j], &ev, sizeof ev);
     }
-    for (int64_t c = 0; c < d; c += 16) {
-        v16f acc[RB];
-        for (int j = 0; j < RB; j++) acc[j] = *(const v16f *)(s->o + (r + j) * d + c) * corr[j];
+    /* KT columns a pass (d is a multiple): RB x NV independent sums, enough to keep the
+     * FMA units busy on 8 lanes too (RB alone left them half idle, waiting on latency). */
+    for (int64_t c = 0; c < d; c += KT) {
+        vf acc[RB][NV];
+        for (int j = 0; j < RB; j++)
+            for (int h = 0; h < NV; h++)
+                acc[j][h] = *(const vf *)(s->o + (r + j) * d + c + h * LANES) * corr[j];
         for (int64_t u = 0; u < nk; u++) {
-            const v16f vr = *(const v16f *)(s->v + u * d + c);
-            for (int j = 0; j < RB; j++) acc[j] += e[j][u] * vr;
+            vf vr[NV];
+            for (int h = 0; h < NV; h++) vr[h] = *(const vf *)(s->v + u * d + c + h * LANES);
+            for (int j = 0; j < RB; j++)
+                for (int h = 0; h < NV; h++) acc[j][h] += e[j][u] * vr[h];
         }
-        for (int j = 0; j < RB; j++) *(v16f *)(s->o + (r + j) * d + c) = acc[j];
+        for (int j = 0; j < RB; j++)
+            for (int h = 0; h < NV; h++) *(vf *)(s->o + (r + j) * d + c + h * LANES) = acc[j][h];
     }
 }
 
@@ -190,8 +204,8 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
                     const float ks = kv_scale(kr, d, g), vs = kv_scale(vr8, d, g);
                     for (int64_t c = g * KV_GROUP; c < (g + 1) * KV_GROUP; c++)
                         s->kt[c * KT + u] = (float)kr[c] * ks;
-                    for (int64_t c = g * KV_GROUP; c < (g + 1) * KV_GROUP; c += 16) {
-                        const v16f vr = load16_i8(vr8 + c) * vs;
+                    for (int64_t c = g * KV_GROUP; c < (g + 1) * KV_GROUP; c += LANES) {
+                        const vf vr = VLOAD_I8(vr8 + c) * vs;
                         memcpy(s->v + u * d + c, &vr, sizeof vr);
                     }
                 }
@@ -199,8 +213,8 @@ static void attend_item(const prefill_args *a, int64_t b, int64_t h, int64_t i0,
             }
             for (int64_t c = 0; c < d; c++)
                 s->kt[c * KT + u] = load1(a->k, off + c, cache_bf16);
-            for (int64_t c = 0; c < d; c += 16) {
-                const v16f vr = load16(a->v, off + c, cache_bf16);
+            for (int64_t c = 0; c < d; c += LANES) {
+                const vf vr = VLOAD(a->v, off + c, cache_bf16);
                 memcpy(s->v + u * d + c, &vr, sizeof vr);
             }
         }

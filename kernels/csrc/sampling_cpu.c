@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec_lanes.h"
 
 #define PARALLEL_MIN (1 << 16) /* elements below which one thread is faster */
 
@@ -38,35 +38,36 @@ static int by_id(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-/* The 16 lanes' sum in one fixed order: two passes that sum the same values agree. */
-static inline float hsum16(v16f v) {
+/* The sum of the 16 floats at e in one fixed order: two passes that sum the same values
+ * agree (blocks of 16 whatever the vector width, so draws do not depend on the CPU). */
+static inline float sum16(const float *e) {
     float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += v[l];
+    for (int l = 0; l < 16; l++) s += e[l];
     return s;
 }
 
-static inline int any16(v16i m) {
+static inline int any_lane(vi m) {
     int32_t r = 0;
-    for (int l = 0; l < 16; l++) r |= m[l];
+    for (int l = 0; l < LANES; l++) r |= m[l];
     return r != 0;
 }
 
 /* buf = x / t (fp32 division, as torch's) with NaN as -inf (a NaN logit is never drawn,
  * as in the Triton kernel); returns the maximum. */
 static float scale_row(const float *x, int64_t vocab, float t, float *buf) {
-    const int64_t full = vocab & ~(int64_t)15;
-    const v16f ninf = (v16f){0} - INFINITY;
-    v16f vm = ninf;
-    for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
+    const int64_t full = vocab & ~(int64_t)(LANES - 1);
+    const vf ninf = (vf){0} - INFINITY;
+    vf vm = ninf;
+    for (int64_t j = 0; j < full; j += LANES) {
+        vf v;
         memcpy(&v, x + j, sizeof v);
         v = v / t;
-        v = vsel16(v != v, ninf, v);
+        v = VSEL(v != v, ninf, v);
         memcpy(buf + j, &v, sizeof v);
-        vm = vsel16(v > vm, v, vm);
+        vm = VSEL(v > vm, v, vm);
     }
     float m = -INFINITY;
-    for (int l = 0; l < 16; l++) m = vm[l] > m ? vm[l] : m;
+    for (int l = 0; l < LANES; l++) m = vm[l] > m ? vm[l] : m;
     for (int64_t j = full; j < vocab; j++) {
         float v = x[j] / t;
         v = v != v ? -INFINITY : v;
@@ -82,18 +83,12 @@ static float scale_row(const float *x, int64_t vocab, float t, float *buf) {
 static int64_t draw_from_probs(const float *e, int64_t vocab, float u) {
     const int64_t full = vocab & ~(int64_t)15;
     double total = 0.0;
-    for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
-        memcpy(&v, e + j, sizeof v);
-        total += hsum16(v);
-    }
+    for (int64_t j = 0; j < full; j += 16) total += sum16(e + j);
     for (int64_t j = full; j < vocab; j++) total += e[j];
     const double target = (double)u * total;
     double acc = 0.0;
     for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
-        memcpy(&v, e + j, sizeof v);
-        float s = hsum16(v);
+        const float s = sum16(e + j);
         if (acc + s > target) {
             int64_t last = -1;
             for (int l = 0; l < 16; l++) {
@@ -122,11 +117,11 @@ static int64_t draw_from_probs(const float *e, int64_t vocab, float u) {
 
 /* No filter: buf holds the scaled row; exps are written over it, then drawn. */
 static int64_t draw_all(float *buf, int64_t vocab, float m, float u) {
-    const int64_t full = vocab & ~(int64_t)15;
-    for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
+    const int64_t full = vocab & ~(int64_t)(LANES - 1);
+    for (int64_t j = 0; j < full; j += LANES) {
+        vf v;
         memcpy(&v, buf + j, sizeof v);
-        v = exp16(v - m);
+        v = VEXP(v - m);
         memcpy(buf + j, &v, sizeof v);
     }
     for (int64_t j = full; j < vocab; j++) buf[j] = expf(buf[j] - m);
@@ -196,7 +191,7 @@ static int64_t select_mass(cand_t *c, int64_t n, double bound) {
     return lo;
 }
 
-/* Tokens with buf >= c into cand (with exp16(v - m), which is within 1.2e-7 of expf and
+/* Tokens with buf >= c into cand (with VEXP(v - m), which is within 1.2e-7 of expf and
  * exact where the probability is a power of two, as torch's float32 softmax: a top-p
  * cut exactly on such a partial sum falls where the reference's does); returns their
  * count, and in *rest the mass of the others (summed per 16 into a double) when
@@ -204,25 +199,30 @@ static int64_t select_mass(cand_t *c, int64_t n, double bound) {
 static int64_t collect(const float *buf, int64_t vocab, float c, float m, int want_rest,
                        cand_t *cand, double *rest) {
     const int64_t full = vocab & ~(int64_t)15;
-    const v16f cv = (v16f){0} + c;
+    const vf cv = (vf){0} + c;
     int64_t n = 0;
     double r = 0.0;
     for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
-        memcpy(&v, buf + j, sizeof v);
-        const v16i ge = v >= cv;
-        const int any = any16(ge);
-        if (!any && !want_rest) continue; /* top-k alone: no exp for blocks left out */
-        const v16f e = exp16(v - m);
-        if (any) {
-            for (int l = 0; l < 16; l++)
-                if (ge[l]) cand[n++] = (cand_t){v[l], e[l], j + l};
+        float left[16]; /* the block's probabilities of tokens not collected */
+        for (int h = 0; h < 16; h += LANES) {
+            vf v;
+            memcpy(&v, buf + j + h, sizeof v);
+            const vi ge = v >= cv;
+            const int any = any_lane(ge);
+            if (!any && !want_rest) continue; /* top-k alone: no exp for blocks left out */
+            const vf e = VEXP(v - m);
+            if (any) {
+                for (int l = 0; l < LANES; l++)
+                    if (ge[l]) cand[n++] = (cand_t){v[l], e[l], j + h + l};
+            }
+            const vf rest_e = VSEL(ge, (vf){0}, e);
+            memcpy(left + h, &rest_e, sizeof rest_e);
         }
-        if (want_rest) r += hsum16(vsel16(ge, (v16f){0}, e));
+        if (want_rest) r += sum16(left);
     }
     for (int64_t j = full; j < vocab; j++) {
-        v16f v = (v16f){0} + buf[j];
-        const float e = exp16(v - m)[0];
+        vf v = (vf){0} + buf[j];
+        const float e = VEXP(v - m)[0];
         if (buf[j] >= c)
             cand[n++] = (cand_t){buf[j], e, j};
         else
@@ -234,16 +234,16 @@ static int64_t collect(const float *buf, int64_t vocab, float c, float m, int wa
 
 /* How many of buf are >= c (vector compares only: a cheap pass to size a collection). */
 static int64_t count_ge(const float *buf, int64_t vocab, float c) {
-    const int64_t full = vocab & ~(int64_t)15;
-    const v16f cv = (v16f){0} + c;
-    v16i acc = (v16i){0};
-    for (int64_t j = 0; j < full; j += 16) {
-        v16f v;
+    const int64_t full = vocab & ~(int64_t)(LANES - 1);
+    const vf cv = (vf){0} + c;
+    vi acc = (vi){0};
+    for (int64_t j = 0; j < full; j += LANES) {
+        vf v;
         memcpy(&v, buf + j, sizeof v);
-        acc -= (v16i)(v >= cv); /* true lanes are -1 */
+        acc -= (vi)(v >= cv); /* true lanes are -1 */
     }
     int64_t n = 0;
-    for (int l = 0; l < 16; l++) n += acc[l];
+    for (int l = 0; l < LANES; l++) n += acc[l];
     for (int64_t j = full; j < vocab; j++) n += buf[j] >= c;
     return n;
 }

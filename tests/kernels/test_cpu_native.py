@@ -65,13 +65,13 @@ CASES = [
     pytest.param(8, 8, 128, 64, BF16, [200, 64, 65, 3], id="mha-d128-bs64-bf16"),
     pytest.param(12, 2, 80, 32, BF16, [77, 32, 5], id="gqa6-d80-bs32-bf16"),
     pytest.param(32, 4, 8, 16, F32, [50, 18], id="gqa8-d8"),
-    # The 16-lane kernel (head dim 64 / 128, groups 1-8): tokens left over past each 16,
+    # The wide kernel (head dim 64 / 128, groups 1-8): tokens left over past each 16,
     # blocks of 16 / 32 / 64, both cache dtypes.
     pytest.param(9, 3, 64, 16, BF16, [150, 1, 15, 16, 17, 31, 33], id="wide-gqa3-d64-bf16"),
     pytest.param(16, 4, 128, 16, BF16, [70, 5, 48], id="wide-gqa4-d128-bf16"),
     pytest.param(16, 2, 64, 32, F32, [97, 32, 2], id="wide-gqa8-d64-bs32-f32"),
     pytest.param(14, 7, 128, 64, F32, [130, 63, 1], id="wide-gqa2-d128-bs64-f32"),
-    pytest.param(9, 1, 64, 16, BF16, [40, 7], id="gqa9-d64-8-lane"),  # group > 8
+    pytest.param(9, 1, 64, 16, BF16, [40, 7], id="gqa9-d64-general"),  # group > 8
 ]
 
 
@@ -86,7 +86,7 @@ def test_matches_reference(hq, hkv, d, bs, dtype, lens):
     assert_close(got, want, dtype)
 
 
-# Head dim 256 (every Gemma): the 16-lane kernel's groups 1-8 as at 64 / 128. Lengths
+# Head dim 256 (every Gemma): the wide kernel's groups 1-8 as at 64 / 128. Lengths
 # around 16 and the block size (past each 16 tokens, mid-block), a length 0.
 D256_LENS = [150, 0, 1, 15, 16, 17, 33, 70]
 
@@ -100,7 +100,7 @@ D256_LENS = [150, 0, 1, 15, 16, 17, 33, 70]
     pytest.param(3, 3, 32, BF16, id="mha-bs32-bf16"),
     pytest.param(16, 2, 16, F32, id="gqa8-f32"),
     pytest.param(6, 2, 64, BF16, id="gqa3-bs64-bf16")])
-def test_head_dim_256_on_the_16_lane_kernel(hq, hkv, bs, dtype, window, cap):
+def test_head_dim_256_on_the_wide_kernel(hq, hkv, bs, dtype, window, cap):
     lib = cpu_native.native_library()
     takes = lib["paged_decode_wide_takes"]  # a fresh function object: argtypes stay local
     takes.restype, takes.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
@@ -142,7 +142,7 @@ def test_ragged_batch_over_threads_and_int64_tables(threads):
 
 
 @needs_cc
-@pytest.mark.parametrize("d", [16, 64])  # the 8-lane and the 16-lane kernel
+@pytest.mark.parametrize("d", [16, 64])  # the general and the wide kernel
 @pytest.mark.parametrize("lens, hkv", [([300], 3), ([37, 0], 8), ([65, 9, 1], 2)],
                          ids=["one-seq-3-heads", "two-seqs-8-heads", "three-seqs-2-heads"])
 def test_small_batch_split_by_kv_head_over_threads(lens, hkv, d):

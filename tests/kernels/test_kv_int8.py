@@ -269,7 +269,7 @@ def test_c_decode_zero_length_sequence_gets_zeros():
 
 @pytest.mark.parametrize("d, hq, hkv", [pytest.param(32, 4, 2, id="d32"),
                                         pytest.param(64, 12, 1, id="group12"),
-                                        # 16-lane at 256 for float caches only
+                                        # the wide kernel: 256 for float caches only
                                         pytest.param(256, 4, 1, id="d256")])
 def test_decode_shapes_the_c_kernel_does_not_take_run_the_reference(d, hq, hkv):
     g = generator(seed_for("kv-int8-decode-fallback", d, hq, hkv))

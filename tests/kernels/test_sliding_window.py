@@ -1,6 +1,6 @@
 """Sliding-window attention (``window``: query position ``p`` sees keys ``p - window + 1 ..
 p``) in every backend: the torch reference against a per-query softmax written out here;
-the C decode kernels (16-lane and 8-lane) and the C prefill kernel, and the Triton decode
+the C decode kernels (wide and general) and the C prefill kernel, and the Triton decode
 (unsplit and split) and prefill kernels (interpreted on CPU), against the reference; on
 float and int8 caches, windows from 1 to past the longest sequence, windows that start
 mid-block and mid-tile.

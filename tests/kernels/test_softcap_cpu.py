@@ -1,7 +1,7 @@
 """Attention logit soft-capping (Gemma 2: each scaled score ``s`` becomes ``softcap *
 tanh(s / softcap)`` before the softmax) on the CPU: the torch reference against a softmax
 written out here in fp64; the C kernels' vectorised tanh against torch's; the C decode
-kernels (16-lane and 8-lane, float and int8 caches) and the C prefill kernel against the
+kernels (wide and general, float and int8 caches) and the C prefill kernel against the
 reference, with and without a sliding window; cpu_backend's fallback for what the C
 kernels do not take; bad caps refused by name.
 
@@ -227,7 +227,7 @@ def test_extreme_caps(cap):
     assert_close(_prefill(cpu_backend.paged_prefill_attention, q, kv, starts, softcap=cap),
                  _prefill(reference.paged_prefill_attention, q, kv, starts,
                           softcap=want_cap), F32)
-    for d, hq in ((64, 4), (32, 4)):  # the 16-lane and the 8-lane decode kernels
+    for d, hq in ((64, 4), (32, 4)):  # the wide and the general decode kernels
         kvd = cpu_paged_kv(lens, 16, 2, d, F32, g)
         qd = randn((len(lens), hq, d), F32, g).cpu()
         assert_close(_decode(cpu_backend.paged_decode_attention, qd, kvd, softcap=cap),
