@@ -50,7 +50,7 @@ SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_decode_wide_cpu.c",
            _CSRC / "sampling_cpu.c")
 # Included by the sources: part of what a build is cached under.
 HEADERS = (_CSRC / "vec16.h", _CSRC / "vec8.h", _CSRC / "vec_lanes.h",
-           _CSRC / "gguf_rows16.h")
+           _CSRC / "byte_lanes.h", _CSRC / "gguf_rows16.h")
 _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
 # Every exported function's argument types (all return int64: 0 or an error code).
 _SIGNATURES = {

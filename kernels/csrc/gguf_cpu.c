@@ -11,15 +11,17 @@
  * Why decode a whole weight row into a float buffer first, then dot it with every x row:
  * a row's blocks are decoded once whatever M is (the decode costs more than the FMAs at
  * small M), the buffer stays in L1/L2, and the dot loop is the same for every type.
- * The products are summed in fp32 in 16 lanes, then across lanes: not the order of a
- * BLAS, so results agree with dequantize + matmul to fp32 rounding, not bit for bit.
+ * The products are summed in fp32 in vec_lanes.h's vectors (16 lanes with AVX-512, 8
+ * without), then across lanes: not the order of a BLAS, so results agree with
+ * dequantize + matmul to fp32 rounding, not bit for bit.
  * Output rows are split across OpenMP threads (torch's own libgomp pool).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "byte_lanes.h"
+#include "vec_lanes.h"
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -28,10 +30,7 @@
 #define BAD_SHAPE 2
 #define NO_MEMORY 3
 
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
-
-static const v16u LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* IEEE half -> float, subnormals included (they occur as block scales). */
 static inline float half(const uint8_t *p) {
@@ -69,9 +68,6 @@ static inline void put(float *dst, v16f v) { *(v16f_u *)dst = v; }
 
 static inline v16f get(const float *src) { return *(const v16f_u *)src; }
 
-static inline v16f u8f(v16u8 v) { return __builtin_convertvector(v, v16f); }
-static inline v16i u8i(v16u8 v) { return __builtin_convertvector(v, v16i); }
-
 /* Weights 0-15 and 16-31 of a 32-weight block: the low and high nibbles of 16 bytes. */
 static inline void nibbles(const uint8_t *qs, v16i *lo, v16i *hi) {
     v16u8 q = bytes16(qs);
@@ -83,9 +79,25 @@ static inline void nibbles(const uint8_t *qs, v16i *lo, v16i *hi) {
 static inline void fifth_bits(const uint8_t *p, v16i *lo, v16i *hi) {
     uint32_t qh;
     memcpy(&qh, p, 4);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* Named: GCC builds a 16-lane broadcast from 16 scalar stores on AVX2. */
+    const __m256i all = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1);
+    __m256i part[4];
+    for (int j = 0; j < 4; j++)
+        part[j] = _mm256_slli_epi32(
+            _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_add_epi32(
+                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                        _mm256_set1_epi32(8 * j))),
+                             one),
+            4);
+    memcpy(lo, part, sizeof *lo);
+    memcpy(hi, part + 2, sizeof *hi);
+#else
+    static const v16u LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16u all = (v16u){0} + qh;
     *lo = (v16i)(((all >> LANE) & 1u) << 4);
     *hi = (v16i)(((all >> (LANE + 16u)) & 1u) << 4);
+#endif
 }
 
 /* 16 signed bytes at p widened to int32. GCC 12 turns a signed-byte vector conversion
@@ -123,16 +135,16 @@ static inline void decode_q4_0(const uint8_t *b, float *w) {
     v16f table = q4_0_table(b);
     v16i lo, hi;
     nibbles(b + 2, &lo, &hi);
-    put(w, __builtin_shuffle(table, lo));
-    put(w + 16, __builtin_shuffle(table, hi));
+    put(w, lookup16(table, table, 2, lo));
+    put(w + 16, lookup16(table, table, 2, hi));
 }
 
 static inline void decode_q4_1(const uint8_t *b, float *w) {
     v16f table = q4_1_table(b);
     v16i lo, hi;
     nibbles(b + 4, &lo, &hi);
-    put(w, __builtin_shuffle(table, lo));
-    put(w + 16, __builtin_shuffle(table, hi));
+    put(w, lookup16(table, table, 2, lo));
+    put(w + 16, lookup16(table, table, 2, hi));
 }
 
 /* Q5: the 32-entry table is two vectors; a two-source permute picks from both. */
@@ -141,8 +153,8 @@ static inline void decode_q5(const uint8_t *qh, const uint8_t *qs, v16f t0, v16f
     v16i lo, hi, h0, h1;
     nibbles(qs, &lo, &hi);
     fifth_bits(qh, &h0, &h1);
-    put(w, __builtin_shuffle(t0, t1, lo | h0));
-    put(w + 16, __builtin_shuffle(t0, t1, hi | h1));
+    put(w, lookup16(t0, t1, 4, lo | h0));
+    put(w + 16, lookup16(t0, t1, 4, hi | h1));
 }
 
 static inline void decode_q5_0(const uint8_t *b, float *w) {
@@ -269,18 +281,19 @@ static void decode_row(int32_t qtype, const uint8_t *row, int64_t nb, float *w) 
 #undef DECODE_CASE
 }
 
-static inline float hsum(v16f v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
+/* The dot products accumulate in vec_lanes.h's vectors: 16-lane accumulators carried
+ * through a loop went through the stack and general registers on AVX2 (GCC 12 keeps no
+ * 64-byte vector in registers there), which made the products ~8x slower. */
+typedef vf vf_u __attribute__((aligned(4), may_alias));
+
+static inline vf getv(const float *src) { return *(const vf_u *)src; }
 
 /* One weight row against one x row, block by block: each block decoded into a buffer
  * that stays in L1 (in registers, once inlined) and multiplied at once. Two blocks a
  * step into four accumulators: with one FMA chain per half block, the loop waited on
  * the FMA latency (4 cycles) instead of issuing. */
 static float dot_row(int32_t qtype, const uint8_t *row, int64_t nb, const float *x) {
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    vf a[4][16 / LANES] = {{{0}}}; /* four 16-float accumulators */
     float buf[512] __attribute__((aligned(64)));
 #define DOT_CASE(ID, FN, BW, BB)                                                          \
     case ID: {                                                                            \
@@ -289,26 +302,30 @@ static float dot_row(int32_t qtype, const uint8_t *row, int64_t nb, const float 
             FN(row + b * BB, buf);                                                        \
             FN(row + (b + 1) * BB, buf + BW);                                             \
             const float *xb = x + b * BW;                                                 \
-            for (int c = 0; c < 2 * BW; c += 64) {                                        \
-                a0 += get(buf + c) * get(xb + c);                                         \
-                a1 += get(buf + c + 16) * get(xb + c + 16);                               \
-                a2 += get(buf + c + 32) * get(xb + c + 32);                               \
-                a3 += get(buf + c + 48) * get(xb + c + 48);                               \
-            }                                                                             \
+            for (int c = 0; c < 2 * BW; c += 64)                                          \
+                for (int i = 0; i < 4; i++)                                               \
+                    for (int h = 0; h < 16 / LANES; h++) {                                \
+                        const int at = c + 16 * i + LANES * h;                            \
+                        a[i][h] += getv(buf + at) * getv(xb + at);                        \
+                    }                                                                     \
         }                                                                                 \
         if (b < nb) {                                                                     \
             FN(row + b * BB, buf);                                                        \
             const float *xb = x + b * BW;                                                 \
-            for (int c = 0; c < BW; c += 32) {                                            \
-                a0 += get(buf + c) * get(xb + c);                                         \
-                a1 += get(buf + c + 16) * get(xb + c + 16);                               \
-            }                                                                             \
+            for (int c = 0; c < BW; c += 32)                                              \
+                for (int i = 0; i < 2; i++)                                               \
+                    for (int h = 0; h < 16 / LANES; h++) {                                \
+                        const int at = c + 16 * i + LANES * h;                            \
+                        a[i][h] += getv(buf + at) * getv(xb + at);                        \
+                    }                                                                     \
         }                                                                                 \
         break;                                                                            \
     }
     switch (qtype) { EACH_TYPE(DOT_CASE) }
 #undef DOT_CASE
-    return hsum((a0 + a1) + (a2 + a3));
+    vf t = (a[0][0] + a[1][0]) + (a[2][0] + a[3][0]);
+    for (int h = 1; h < 16 / LANES; h++) t += (a[0][h] + a[1][h]) + (a[2][h] + a[3][h]);
+    return hsum_lanes(t);
 }
 
 /* 16 floats -> bfloat16, rounded to nearest even as f32_to_bf16 (vec16.h) (a row of a dequantized tile:
@@ -335,27 +352,27 @@ static inline v16u16 bf16x16(v16f v) {
 /* A decoded row w (k floats, k a multiple of 32) against four x rows `ldx` apart: four
  * accumulators share each load of w. */
 static inline void dot4(const float *w, int64_t k, const float *x, int64_t ldx, float r[4]) {
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t i = 0; i < k; i += 16) {
-        v16f wv = get(w + i);
-        a0 += wv * get(x + i);
-        a1 += wv * get(x + ldx + i);
-        a2 += wv * get(x + 2 * ldx + i);
-        a3 += wv * get(x + 3 * ldx + i);
+    vf a[4][16 / LANES] = {{{0}}};
+    for (int64_t i = 0; i < k; i += 16)
+        for (int h = 0; h < 16 / LANES; h++) {
+            const vf wv = getv(w + i + LANES * h);
+            for (int j = 0; j < 4; j++) a[j][h] += wv * getv(x + j * ldx + i + LANES * h);
+        }
+    for (int j = 0; j < 4; j++) {
+        vf t = a[j][0];
+        for (int h = 1; h < 16 / LANES; h++) t += a[j][h];
+        r[j] = hsum_lanes(t);
     }
-    r[0] = hsum(a0);
-    r[1] = hsum(a1);
-    r[2] = hsum(a2);
-    r[3] = hsum(a3);
 }
 
 static inline float dot1(const float *w, int64_t k, const float *x) {
-    v16f a0 = {0}, a1 = {0};
-    for (int64_t i = 0; i < k; i += 32) {
-        a0 += get(w + i) * get(x + i);
-        a1 += get(w + i + 16) * get(x + i + 16);
-    }
-    return hsum(a0 + a1);
+    vf a[32 / LANES] = {{0}};
+    for (int64_t i = 0; i < k; i += 32)
+        for (int h = 0; h < 32 / LANES; h++)
+            a[h] += getv(w + i + LANES * h) * getv(x + i + LANES * h);
+    vf t = a[0];
+    for (int h = 1; h < 32 / LANES; h++) t += a[h];
+    return hsum_lanes(t);
 }
 
 /* x is float32, or bfloat16 when x_bf16 (widened once into a float32 copy: M x K is
