@@ -18,7 +18,8 @@ skipped with a note when unset). Last, both engines decode a few prompts greedil
 float32 and the first token where they part is printed: a cross-check, not a test (two
 engines are not bound to agree token for token).
 
-``--save`` writes ``benchmarks/results/peers-cpu.{json,md}``. The ``test_`` functions at
+``--save`` writes ``benchmarks/results/peers-cpu[-TAG].{json,md}`` (``--tag avx2``: a CPU
+of another class, kept apart). The ``test_`` functions at
 the bottom run a tiny random checkpoint through the deepinfer side (sanity, never timing).
 """
 
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_meta import git_commit, table_lines, utc_now
+from results_meta import git_commit, table_lines, utc_now, vector_isa
 from throughput_workload import make_workload, run_workload
 
 HERE = Path(__file__).resolve().parent
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> dict:
     print({"deepinfer": ours["runs"], "startup_s": ours["startup_s"]}, flush=True)
     theirs = run_vllm(model_dir, requests, args)
     result = {"machine": f"{platform.processor() or platform.machine()}, "
-                         f"{os.cpu_count()} cores", "commit": git_commit(), "date": utc_now(),
+                         f"{vector_isa()}, {os.cpu_count()} cores", "commit": git_commit(),
+              "date": utc_now(),
               "torch": torch.__version__, "seed": args.seed, "min_len": args.min_len,
               "max_len": args.max_len, "deepinfer": ours, "vllm": theirs,
               "rows": rows(ours, theirs)}
@@ -206,10 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the results files (e.g. avx2: another CPU class)")
     args = ap.parse_args(argv)
     result = run(args)
     if args.save:
-        write_results(result)
+        write_results(result, "peers-cpu" + (f"-{args.tag}" if args.tag else ""))
 
 
 def test_peers_smoke(tmp_path, monkeypatch) -> None:
