@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.models.tensor_parallel import SINGLE, TPGroup
+from deepinfer_kernels.cpu_dense import dense_linear
 
 #: ``x [M, K]`` -> ``x @ W.T`` ``[M, N]`` for a weight kept as GGUF blocks.
 MatmulFn = Callable[[torch.Tensor], torch.Tensor]
@@ -55,13 +56,13 @@ class Linear(nn.Linear):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in]`` -> ``x @ W.T`` ``[M, out]`` in x's dtype (plus the LoRA deltas),
         without the bias."""
-        y = F.linear(x, self.weight) if self.bound_matmul is None else self.bound_matmul(x)
+        y = dense_linear(x, self.weight) if self.bound_matmul is None else self.bound_matmul(x)
         return y if self.lora is None else self.lora(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in]`` -> ``[M, out]``."""
         if self.bound_matmul is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = dense_linear(x, self.weight, self.bias)
         else:
             y = self.bound_matmul(x)
             y = y if self.bias is None else y + self.bias
@@ -100,7 +101,7 @@ class Embedding(nn.Embedding):
         """The tied output projection: hidden ``[N, hidden]`` -> ``[N, vocab]`` scores
         (``hidden @ weight.T``) in hidden's dtype."""
         if self.bound_matmul is None:
-            return F.linear(hidden, self.weight)
+            return dense_linear(hidden, self.weight)
         return self.bound_matmul(hidden)
 
 
