@@ -119,7 +119,8 @@ def run_vllm(model_dir: str, requests: list[int], args: argparse.Namespace) -> d
            "--requests", ",".join(map(str, requests)), "--min-len", str(args.min_len),
            "--max-len", str(args.max_len), "--seed", str(args.seed),
            "--check-prompts", str(args.check_prompts),
-           "--check-tokens", str(args.check_tokens)]
+           "--check-tokens", str(args.check_tokens),
+           "--dtype", getattr(args, "vllm_dtype", "bfloat16")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"peer_vllm.py failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -167,7 +168,8 @@ def write_results(result: dict, name: str = "peers-cpu") -> None:
              f"{v['vllm'] + ' (torch ' + v['torch'] + ')' if v else 'not run'}; "
              f"`python benchmarks/bench_peers.py` (workload: seed {result['seed']}, "
              f"{result['min_len']}-{result['max_len']} tokens in and out, greedy, "
-             f"ignore_eos; deepinfer {result['deepinfer']['dtype']}).", "",
+             f"ignore_eos; deepinfer {result['deepinfer']['dtype']}"
+             + (f", vLLM {v.get('dtype', 'bfloat16')}" if v else "") + ").", "",
              f"Start-up: deepinfer {result['deepinfer']['startup_s']:.2f} s"
              + (f", vLLM {v['startup_s']:.1f} s." if v else "."), ""]
     lines += table_lines(list(dict.fromkeys(k for r in result["rows"] for k in r)),
@@ -204,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", help="deepinfer's (vLLM runs bfloat16)")
+    ap.add_argument("--dtype", default="bfloat16", help="deepinfer's")
+    ap.add_argument("--vllm-dtype", default="bfloat16",
+                    help="vLLM's (float32 on a CPU without native bf16: both sides alike)")
     ap.add_argument("--check-prompts", type=int, default=4)
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--save", action="store_true")
