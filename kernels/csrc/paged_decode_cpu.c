@@ -54,7 +54,6 @@ static __attribute__((noinline)) void cap_rows(float *s, int64_t heads, int64_t 
     for (int64_t i = 0; i < heads; ++i) softcap_scores(s + i * MAX_BLOCK, n, cap);
 }
 
-
 /* One sequence, KV heads h0 .. h0 + nh - 1 of its num_kv_heads (all of them unless a
  * small batch is split over threads by head): `q` holds those heads' query rows (KV head
  * h's `group` heads at rows (h - h0) * group ...), `out` gets theirs. `blocks` are the

@@ -45,15 +45,18 @@ static inline void store1(void *p, int64_t i, float v, int bf16) {
         ((float *)p)[i] = v;
 }
 
-/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
-static inline v16f vsel16(v16i m, v16f a, v16f b) {
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
+/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. One body for
+ * every width: vsel16 here, vec8.h's vsel from the same macro. */
+#define DEFINE_VSEL(NAME, VF, VI)                 \
+    static inline VF NAME(VI m, VF a, VF b) {     \
+        VI ai, bi;                                \
+        memcpy(&ai, &a, sizeof ai);               \
+        memcpy(&bi, &b, sizeof bi);               \
+        ai = (ai & m) | (bi & ~m);                \
+        memcpy(&a, &ai, sizeof a);                \
+        return a;                                 \
+    }
+DEFINE_VSEL(vsel16, v16f, v16i)
 
 /* 16 elements of p from index i, as floats: bf16 (fp32's top half) or fp32. */
 static inline v16f load16(const void *p, int64_t i, int bf16) {
@@ -69,29 +72,32 @@ static inline v16f load16(const void *p, int64_t i, int bf16) {
     return f;
 }
 
-/* e^x for 16 lanes: x = n ln2 + r, e^r by a degree-6 polynomial (relative error ~2e-7),
+/* e^x lane by lane: x = n ln2 + r, e^r by a degree-6 polynomial (relative error ~2e-7),
  * 2^n built in the exponent bits. x is clamped to 88.7 (e^x finite); lanes below -87.3
- * (e^x under FLT_MIN, and -inf) give exactly 0. */
-static inline v16f exp16(v16f x) {
-    const v16f lo = (v16f){0} - 87.3f, hi = (v16f){0} + 88.7f;
-    v16i tiny = x < lo;
-    x = vsel16(tiny, lo, x); /* keeps n in range; those lanes are zeroed below */
-    x = vsel16(x > hi, hi, x);
-    /* n = round(x / ln2): adding 1.5 * 2^23 rounds in the current (nearest) mode. */
-    v16f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
-    v16f p = 1.9875691500e-4f + (v16f){0};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(fn, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return vsel16(tiny, (v16f){0}, p * scale);
-}
+ * (e^x under FLT_MIN, and -inf) give exactly 0. n = round(x / ln2): adding 1.5 * 2^23
+ * rounds in the current (nearest) mode; ln2 is taken in two parts. One body for every
+ * width: exp16 here, vec8.h's exp8 from the same macro (SEL: that width's select). */
+#define DEFINE_EXP(NAME, VF, VI, SEL)                                                \
+    static inline VF NAME(VF x) {                                                    \
+        const VF lo = (VF){0} - 87.3f, hi = (VF){0} + 88.7f;                         \
+        VI tiny = x < lo;                                                            \
+        x = SEL(tiny, lo, x); /* keeps n in range; those lanes are zeroed below */   \
+        x = SEL(x > hi, hi, x);                                                      \
+        VF fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;              \
+        VF r = x - fn * 0.693359375f + fn * 2.12194440e-4f;                          \
+        VF p = 1.9875691500e-4f + (VF){0};                                           \
+        p = p * r + 1.3981999507e-3f;                                                \
+        p = p * r + 8.3334519073e-3f;                                                \
+        p = p * r + 4.1665795894e-2f;                                                \
+        p = p * r + 1.6666665459e-1f;                                                \
+        p = p * r + 5.0000001201e-1f;                                                \
+        p = p * r * r + r + 1.0f;                                                    \
+        VI bits = (__builtin_convertvector(fn, VI) + 127) << 23;                     \
+        VF scale;                                                                    \
+        memcpy(&scale, &bits, sizeof scale);                                         \
+        return SEL(tiny, (VF){0}, p * scale);                                        \
+    }
+DEFINE_EXP(exp16, v16f, v16i, vsel16)
 
 /* KV cache element kinds (the `cache_kind` argument of the attention and store kernels).
  * An int8 cache (kernels/kv_quant.py) holds each (token, KV head) row of D values (D a

@@ -8,9 +8,8 @@
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "vec16.h" /* DEFINE_VSEL, DEFINE_EXP; immintrin.h with AVX2 */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
@@ -33,39 +32,9 @@ static inline v8f load_bf16(const uint16_t *p) {
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-/* Lane-wise m ? a : b (m lanes all-ones or zero); C has no ?: on vectors. */
-static inline v8f vsel(v8i m, v8f a, v8f b) {
-    v8i ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-
-/* e^x for 8 lanes, as exp16 (vec16.h): x = n ln2 + r, e^r by a degree-6 polynomial
- * (relative error ~2e-7), 2^n built in the exponent bits. x is clamped to 88.7 (e^x
- * finite); lanes below -87.3 (e^x under FLT_MIN, and -inf) give exactly 0. */
-static inline v8f exp8(v8f x) {
-    const v8f lo = (v8f){0} - 87.3f, hi = (v8f){0} + 88.7f;
-    v8i tiny = x < lo;
-    x = vsel(tiny, lo, x); /* keeps n in range; those lanes are zeroed below */
-    x = vsel(x > hi, hi, x);
-    /* n = round(x / ln2): adding 1.5 * 2^23 rounds in the current (nearest) mode. */
-    v8f fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v8f r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
-    v8f p = 1.9875691500e-4f + (v8f){0};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    v8i bits = (__builtin_convertvector(fn, v8i) + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return vsel(tiny, (v8f){0}, p * scale);
-}
+/* vsel and exp8: vec16.h's vsel16 and exp16 on 8 lanes (the same macros). */
+DEFINE_VSEL(vsel, v8f, v8i)
+DEFINE_EXP(exp8, v8f, v8i, vsel)
 
 #ifdef __clang__
 #define SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
